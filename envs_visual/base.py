@@ -1,0 +1,294 @@
+"""What every environment shares: the observation type, the response formats and their strict
+parser, and the turn loop that turns one response into executed actions and a reward.
+
+An environment subclasses `TextActionEnv` and supplies the level, the dynamics and the renders;
+the base class owns everything about the agent's text so that all environments grade responses
+the same way.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+IMAGE_PLACEHOLDER = "<image>"
+
+# Each format is the ordered list of fields inside <think>; "" means no <think> block at all and
+# None means a free-form <think>.
+PROMPT_FORMATS: dict[str, tuple[str, ...] | None] = {
+    "no_think": (),
+    "free_think": None,
+    "grounding": ("observation", "reasoning"),
+    "worldmodeling": ("reasoning", "prediction"),
+    "grounding_worldmodeling": ("observation", "reasoning", "prediction"),
+}
+
+_FIELD_HINTS = {
+    "observation": "what you see now",
+    "reasoning": "how you decide",
+    "prediction": "what you expect to see after your actions",
+}
+
+_TAGS = ("think", "answer", "observation", "reasoning", "prediction")
+_ANY_TAG = re.compile(r"</?(?:%s)>" % "|".join(_TAGS))
+
+
+def closest_choice_error(kind: str, received: str, choices) -> ValueError:
+    """A ValueError naming what was received, the closest valid names and all choices."""
+    choices = sorted(choices)
+    close = difflib.get_close_matches(str(received), choices, n=3)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return ValueError(f"unknown {kind} {received!r}{hint} choices: {', '.join(choices)}")
+
+
+def check_prompt_format(prompt_format: str) -> None:
+    if prompt_format not in PROMPT_FORMATS:
+        raise closest_choice_error("prompt_format", prompt_format, PROMPT_FORMATS)
+
+
+def _format_regex(prompt_format: str) -> re.Pattern:
+    inner = PROMPT_FORMATS[prompt_format]
+    if inner is None:
+        think = r"<think>(?P<think>.*?)</think>\s*"
+    elif inner == ():
+        think = ""
+    else:
+        parts = r"\s*".join(rf"<{name}>(?P<{name}>.*?)</{name}>" for name in inner)
+        think = rf"<think>\s*{parts}\s*</think>\s*"
+    return re.compile(rf"\A\s*{think}<answer>(?P<answer>.*?)</answer>\s*\Z", re.DOTALL)
+
+
+_REGEXES = {name: _format_regex(name) for name in PROMPT_FORMATS}
+
+
+@dataclass
+class ParsedResponse:
+    """The fields of one response. `ok` is False when the text does not match the format."""
+
+    ok: bool
+    answer: str = ""
+    think: str = ""
+    observation: str = ""
+    reasoning: str = ""
+    prediction: str = ""
+
+    def fields(self) -> dict[str, str]:
+        return {name: getattr(self, name) for name in ("think", "observation", "reasoning", "prediction", "answer")}
+
+
+def parse_response(text: str, prompt_format: str) -> ParsedResponse:
+    """Strictly parse `text` in `prompt_format`. The whole text must match (surrounding whitespace
+    and whitespace between tags allowed); a field may not contain another tag. Never raises on
+    any string."""
+    check_prompt_format(prompt_format)
+    if not isinstance(text, str):
+        return ParsedResponse(ok=False)
+    match = _REGEXES[prompt_format].match(text)
+    if match is None:
+        return ParsedResponse(ok=False)
+    groups = {k: v.strip() for k, v in match.groupdict().items()}
+    if any(_ANY_TAG.search(v) for v in groups.values()):
+        return ParsedResponse(ok=False)
+    parsed = ParsedResponse(ok=True, **groups)
+    if PROMPT_FORMATS[prompt_format]:
+        parsed.think = " ".join(groups[name] for name in PROMPT_FORMATS[prompt_format])
+    return parsed
+
+
+def format_instructions(prompt_format: str, example_answer: str, example_fields: dict[str, str]) -> str:
+    """The paragraph of the system prompt that states the response format, with an example."""
+    check_prompt_format(prompt_format)
+    inner = PROMPT_FORMATS[prompt_format]
+    if inner is None:
+        shape = "<think>...</think><answer>...</answer>"
+        example = f"<think>{example_fields.get('reasoning', '')}</think><answer>{example_answer}</answer>"
+    elif inner == ():
+        shape = "<answer>...</answer>"
+        example = f"<answer>{example_answer}</answer>"
+    else:
+        shape = "<think>" + "".join(f"<{n}>...</{n}>" for n in inner) + "</think><answer>...</answer>"
+        example = (
+            "<think>"
+            + "".join(f"<{n}>{example_fields.get(n, _FIELD_HINTS[n])}</{n}>" for n in inner)
+            + f"</think><answer>{example_answer}</answer>"
+        )
+    lines = [f"Respond exactly in this format: {shape}"]
+    if inner:
+        lines.append("Inside <think>: " + "; ".join(f"<{n}> {_FIELD_HINTS[n]}" for n in inner) + ".")
+    lines.append(f"Example: {example}")
+    return "\n".join(lines)
+
+
+@dataclass
+class Observation:
+    """What the agent sees: text with one `<image>` placeholder per image in `images`."""
+
+    text: str
+    images: list[Image.Image] = field(default_factory=list)
+
+    def __post_init__(self):
+        n = self.text.count(IMAGE_PLACEHOLDER)
+        assert n == len(self.images), f"{n=} placeholders but {len(self.images)=} images"
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise closest_choice_error(name, value, choices)
+
+
+class TextActionEnv:
+    """Base class: Gymnasium-style `reset`/`step` over text responses.
+
+    Subclasses set `name`, `action_names` (canonical spellings) and implement `_reset(seed)`,
+    `_apply(action) -> (reward, effective)`, `_success()`, `render_text()`, `render_image()`,
+    `_task_prompt()`, `_turn_prompt()` and `state()`. Environments whose answer is not a list of
+    named actions (e.g. an arithmetic expression) override `_parse_actions`.
+    """
+
+    name = "base"
+    action_names: tuple[str, ...] = ()
+    example_answer = ""
+    render_modes = ("vision", "text")
+
+    def __init__(
+        self,
+        prompt_format: str = "free_think",
+        render_mode: str = "vision",
+        max_actions_per_turn: int = 3,
+        max_steps: int = 100,
+        format_reward: float = 0.5,
+        format_penalty: float = 0.0,
+    ):
+        check_prompt_format(prompt_format)
+        check_choice("render_mode", render_mode, self.render_modes)
+        if int(max_actions_per_turn) < 1:
+            raise ValueError(f"max_actions_per_turn must be >= 1, got {max_actions_per_turn}")
+        if int(max_steps) < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        self.prompt_format = prompt_format
+        self.render_mode = render_mode
+        self.max_actions_per_turn = int(max_actions_per_turn)
+        self.max_steps = int(max_steps)
+        self.format_reward = float(format_reward)
+        self.format_penalty = float(format_penalty)
+        self._lookup = {a.lower(): a for a in self.action_names}
+        self.seed: int | None = None
+        self.steps = 0
+        self.done = False
+
+    # -- Gymnasium API -------------------------------------------------------------------------
+    def reset(self, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
+        if seed is None:
+            seed = int(np.random.SeedSequence().generate_state(1)[0])
+        self.seed = int(seed)
+        self.steps = 0
+        self.done = False
+        self._reset(self.seed)
+        return self.observation(self._initial_prompt()), {"seed": self.seed, "success": False}
+
+    def step(self, response: str):
+        """Parse `response`, execute its actions, return (obs, reward, terminated, truncated, info)."""
+        if self.seed is None:
+            raise RuntimeError(f"{self.name}: call reset(seed=...) before step()")
+        parsed = parse_response(response, self.prompt_format)
+        actions, all_valid = self._parse_actions(parsed.answer) if parsed.ok else ([], False)
+        reward, executed, effective = 0.0, [], False
+        terminated = truncated = False
+        if not self.done:
+            for action in actions:
+                r, changed = self._apply(action)
+                reward += r
+                effective |= changed
+                executed.append(action)
+                self.steps += 1
+                terminated = self._success() or self._failed()
+                truncated = not terminated and self.steps >= self.max_steps
+                if terminated or truncated:
+                    break
+        self.done = self.done or terminated or truncated
+        format_ok = parsed.ok and all_valid and len(actions) > 0
+        if format_ok:
+            reward += self.format_reward
+        elif not parsed.ok:
+            reward -= self.format_penalty
+        info = {
+            "success": self._success(),
+            "format_ok": format_ok,
+            "action_is_valid": parsed.ok and all_valid and len(actions) > 0,
+            "action_is_effective": effective,
+            "actions": executed,
+            "parsed": parsed.fields(),
+            "steps": self.steps,
+        }
+        info.update(self._step_info())
+        return self.observation(self._turn_prompt(info)), float(reward), terminated, truncated, info
+
+    def system_prompt(self) -> str:
+        return "\n\n".join(
+            [
+                self._task_prompt(),
+                f"You may take up to {self.max_actions_per_turn} actions per turn, separated by ','.",
+                format_instructions(self.prompt_format, self.example_answer, self._example_fields()),
+            ]
+        )
+
+    def observation(self, text: str) -> Observation:
+        """The observation for the current state, preceded by `text`."""
+        if self.render_mode == "vision":
+            return Observation(f"{text}\n{IMAGE_PLACEHOLDER}".strip(), [self.render_image()])
+        return Observation(f"{text}\n{self.render_text()}".strip(), [])
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _parse_actions(self, answer: str) -> tuple[list[str], bool]:
+        """Comma-separated, case-insensitive names; at most `max_actions_per_turn` are considered
+        and the list stops at the first unknown one. Returns (actions, all_considered_valid)."""
+        words = [w.strip() for w in answer.split(",")][: self.max_actions_per_turn]
+        actions = []
+        for word in words:
+            action = self._lookup.get(word.lower())
+            if action is None:
+                return actions, False
+            actions.append(action)
+        return actions, len(actions) > 0
+
+    def _failed(self) -> bool:
+        return False
+
+    def _step_info(self) -> dict[str, Any]:
+        return {}
+
+    def _example_fields(self) -> dict[str, str]:
+        return {}
+
+    def _initial_prompt(self) -> str:
+        return "Current observation:"
+
+    def _turn_prompt(self, info: dict[str, Any]) -> str:
+        executed = ", ".join(info["actions"]) or "none"
+        return f"Executed actions: {executed}. Current observation:"
+
+    def _reset(self, seed: int) -> None:
+        raise NotImplementedError
+
+    def _apply(self, action: str) -> tuple[float, bool]:
+        raise NotImplementedError
+
+    def _success(self) -> bool:
+        raise NotImplementedError
+
+    def render_text(self) -> str:
+        raise NotImplementedError
+
+    def render_image(self) -> Image.Image:
+        raise NotImplementedError
+
+    def _task_prompt(self) -> str:
+        raise NotImplementedError
+
+    def state(self) -> dict[str, Any]:
+        raise NotImplementedError
