@@ -1,0 +1,23 @@
+import os
+
+import pytest
+
+# Offscreen MuJoCo rendering through Mesa's EGL; without it MuJoCo looks for an X11 display.
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in gpu_items:
+        item.add_marker(skip)

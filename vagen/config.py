@@ -1,0 +1,454 @@
+"""Typed configuration: one dataclass tree two levels deep, YAML files of overrides, and
+`section.key=value` overrides from the command line.
+
+    cfg = load_config("sokoban_visual", ["rollout.group_size=8", "algo.adv_estimator=grpo"])
+
+`python -m vagen.config sokoban_visual [overrides]` prints the resolved configuration with the help
+text of every field. This module imports only the standard library and PyYAML so that a mistake
+in a config is reported in well under a second, before torch or DeepSpeed load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _f(default, help: str):
+    """A field with a one-line help text; mutable defaults are copied per instance."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("builtin:tiny-vl", "local HF checkpoint dir, or builtin:tiny-vl / builtin:tiny-text")
+    critic_path: str | None = _f(None, "critic init checkpoint; null = same weights as the actor")
+    dtype: str = _f("float32", "parameter dtype: float32 | bfloat16")
+    builtin_cache: str = _f("~/.cache/vagen", "where built-in tiny models are built and cached")
+    min_pixels: int | None = _f(None, "image processor min_pixels; null = the checkpoint's own")
+    max_pixels: int | None = _f(None, "image processor max_pixels; null = the checkpoint's own")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+
+
+@dataclass
+class EnvConfig:
+    name: str = _f("sokoban", "environment name passed to envs_visual.make")
+    render_mode: str = _f("vision", "vision (frames as images) | text (symbol grid in the prompt)")
+    prompt_format: str = _f("free_think", "no_think | free_think | grounding | worldmodeling | ...")
+    max_actions_per_turn: int = _f(3, "actions executed per response at most")
+    format_reward: float = _f(0.5, "reward for a response that parses with only valid actions")
+    params: dict = _f({}, "env-specific parameters, e.g. {dim_room: [6, 6], num_boxes: 1}")
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = _f("hf", "generation engine: hf (transformers generate) | vllm (GPU only)")
+    env_groups: int = _f(4, "distinct level seeds per iteration")
+    group_size: int = _f(4, "rollouts per level seed (members of a group share the seed)")
+    max_turns: int = _f(3, "turns per episode at most")
+    max_new_tokens: int = _f(64, "generated tokens per turn at most")
+    temperature: float = _f(0.7, "sampling temperature; 0 = greedy")
+    top_p: float = _f(0.95, "nucleus sampling threshold")
+    top_k: int = _f(0, "top-k sampling; 0 = off (transformers would otherwise use 50)")
+    max_trajectory_length: int = _f(4096, "tokens per trajectory at most; whole turns are dropped")
+    keep_history_images: int = _f(-1, "images of past turns kept in the prompt; -1 = all")
+
+
+@dataclass
+class AlgoConfig:
+    adv_estimator: str = _f("turn_gae", "turn_gae (TRICO) | gae (PPO) | grpo")
+    token_selection: str = _f("all", "tokens that get policy gradient: all | answer | think_answer | entropy")
+    top_ratio: float = _f(0.2, "entropy selection: share of generated tokens kept per sequence")
+    gamma: float = _f(1.0, "token-level discount (gae, and token level of turn_gae)")
+    lam: float = _f(1.0, "token-level GAE lambda (gae, and token level of turn_gae)")
+    gamma_turn: float = _f(0.95, "turn-level discount of turn_gae")
+    lam_turn: float = _f(1.0, "turn-level GAE lambda of turn_gae")
+    grpo_norm_by_std: bool = _f(True, "grpo: divide by in-group std (false = Dr.GRPO)")
+    whiten_advantages: bool = _f(True, "gae/turn_gae: whiten advantages over the batch")
+    filter_mode: str = _f("none", "reward-std group filter: none | std | std_rev")
+    filter_keep_ratio: float = _f(0.25, "share of groups kept by the reward-std filter")
+    clip_low: float = _f(0.2, "PPO ratio clip below 1")
+    clip_high: float = _f(0.2, "PPO ratio clip above 1 (clip-higher: 0.28)")
+    dual_clip: float = _f(3.0, "dual-clip bound c for negative advantages")
+    entropy_coef: float = _f(0.001, "entropy bonus coefficient")
+    vf_coef: float = _f(1.0, "value loss coefficient")
+    value_clip: float = _f(0.5, "value clip range")
+    kl_coef: float = _f(0.0, "KL coefficient to the reference model; 0 = no reference model")
+    kl_kind: str = _f("k3", "KL estimator: k1 | k2 | k3 | abs")
+    kl_in_reward: bool = _f(False, "true: KL as a per-token reward penalty; false: as a loss term")
+    loss_agg: str = _f("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | ...")
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = _f(100, "rollout + update iterations")
+    seed: int = _f(0, "seed for model init, sampling and level seeds")
+    actor_lr: float = _f(1e-6, "actor learning rate")
+    critic_lr: float = _f(1e-5, "critic learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    warmup_steps: int = _f(0, "linear learning-rate warm-up in optimizer steps")
+    grad_clip: float = _f(1.0, "gradient norm clip")
+    ppo_epochs: int = _f(1, "passes over each rollout batch")
+    mini_batch_size: int = _f(16, "trajectories per optimizer step (global)")
+    micro_batch_size: int = _f(4, "trajectories per forward/backward (per rank)")
+    deepspeed_config: str = _f("deepspeed/zero0_fp32.json", "DeepSpeed JSON, relative to configs/")
+    run_dir: str = _f("runs", "parent directory of run directories")
+    run_name: str | None = _f(None, "run directory name; null = <config>-<time>")
+    resume: str | None = _f(None, "auto (latest in this run name) | PATH of a checkpoint | null")
+    save_every: int = _f(0, "checkpoint every N iterations; 0 = only at the end")
+    critic_warmup: int = _f(0, "iterations that update only the critic")
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(0, "evaluate every N iterations; 0 = never during training")
+    episodes: int = _f(16, "evaluation episodes (held-out seeds)")
+    videos: int = _f(2, "episode videos written per evaluation")
+    do_sample: bool = _f(False, "sample during evaluation (false = greedy)")
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = _f(True, "write tensorboard events")
+    progress: bool = _f(True, "show a progress bar")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    name: str = "default"
+
+    def __post_init__(self):
+        validate(self)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "name"]
+
+CHOICES = {
+    ("model", "dtype"): ("float32", "bfloat16"),
+    ("env", "render_mode"): ("vision", "text"),
+    ("env", "prompt_format"): ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling"),
+    ("rollout", "backend"): ("hf", "vllm"),
+    ("algo", "adv_estimator"): ("turn_gae", "gae", "grpo"),
+    ("algo", "token_selection"): ("all", "answer", "think_answer", "entropy"),
+    ("algo", "filter_mode"): ("none", "std", "std_rev"),
+    ("algo", "kl_kind"): ("k1", "k2", "k3", "abs"),
+    ("algo", "loss_agg"): ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message says what was received and how to fix it."""
+
+
+def _closest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.5)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks; each message says how to fix the problem."""
+    for (section, key), choices in CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ConfigError(
+                f"{section}.{key}={value!r} is not a valid choice{_closest(str(value), choices)} "
+                f"choices: {', '.join(choices)}"
+            )
+    ro, algo, tr = cfg.rollout, cfg.algo, cfg.train
+    positive = [("rollout", "env_groups"), ("rollout", "group_size"), ("rollout", "max_turns"),
+                ("rollout", "max_new_tokens"), ("train", "ppo_epochs"), ("train", "mini_batch_size"),
+                ("train", "micro_batch_size"), ("env", "max_actions_per_turn")]
+    for section, key in positive:
+        value = getattr(getattr(cfg, section), key)
+        if value < 1:
+            raise ConfigError(f"{section}.{key}={value} must be >= 1")
+    if algo.adv_estimator == "grpo" and ro.group_size < 2:
+        raise ConfigError(
+            f"algo.adv_estimator=grpo compares rollouts within a group, but rollout.group_size="
+            f"{ro.group_size}; set rollout.group_size=2 or more (8-16 is usual)"
+        )
+    if algo.filter_mode != "none" and ro.group_size < 2:
+        raise ConfigError(
+            f"algo.filter_mode={algo.filter_mode} ranks groups by in-group reward std, which needs "
+            f"rollout.group_size >= 2 (got {ro.group_size}); raise it or set algo.filter_mode=none"
+        )
+    if not 0.0 < algo.filter_keep_ratio <= 1.0:
+        raise ConfigError(f"algo.filter_keep_ratio={algo.filter_keep_ratio} must be in (0, 1]")
+    if not 0.0 < algo.top_ratio <= 1.0:
+        raise ConfigError(f"algo.top_ratio={algo.top_ratio} must be in (0, 1]")
+    if not (0.0 <= algo.clip_low < 1.0 and algo.clip_high >= 0.0):
+        raise ConfigError(f"algo.clip_low={algo.clip_low} must be in [0, 1) and algo.clip_high >= 0")
+    if algo.dual_clip <= 1.0:
+        raise ConfigError(f"algo.dual_clip={algo.dual_clip} must be > 1 (3.0 is usual)")
+    for key in ("gamma", "lam", "gamma_turn", "lam_turn"):
+        if not 0.0 <= getattr(algo, key) <= 1.0:
+            raise ConfigError(f"algo.{key}={getattr(algo, key)} must be in [0, 1]")
+    if ro.temperature < 0 or not 0 < ro.top_p <= 1:
+        raise ConfigError(f"rollout.temperature={ro.temperature} must be >= 0 and rollout.top_p={ro.top_p} in (0, 1]")
+    batch = ro.env_groups * ro.group_size
+    if tr.mini_batch_size > batch:
+        raise ConfigError(
+            f"train.mini_batch_size={tr.mini_batch_size} exceeds the {batch} trajectories of an iteration "
+            f"(rollout.env_groups={ro.env_groups} x rollout.group_size={ro.group_size}); lower it to {batch}"
+        )
+    if cfg.model.path == "builtin:tiny-text" and cfg.env.render_mode == "vision":
+        raise ConfigError(
+            "model.path=builtin:tiny-text cannot see images but env.render_mode=vision; use "
+            "model.path=builtin:tiny-vl or env.render_mode=text"
+        )
+    if cfg.model.path.startswith("builtin:") and cfg.model.path not in ("builtin:tiny-vl", "builtin:tiny-text"):
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} is not a built-in model{_closest(cfg.model.path, ['builtin:tiny-vl', 'builtin:tiny-text'])} "
+            "choices: builtin:tiny-vl, builtin:tiny-text, or a local checkpoint directory"
+        )
+
+
+# -- typed assignment ------------------------------------------------------------------------------
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, where: str) -> Any:
+    """Convert `value` to type `tp` or raise ConfigError naming the key, the value and the type."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    expected = origin or tp
+    if expected is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off"):
+            return value.lower() in ("true", "yes", "on")
+    elif expected is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif expected is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                number = float(value)
+                if math.isfinite(number):
+                    return number
+            except ValueError:
+                pass
+    elif expected is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif expected is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+    elif expected is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    raise ConfigError(
+        f"{where}: expected {_type_name(tp)}, received {value!r} ({type(value).__name__}); "
+        f"fix the value in the YAML file or override, e.g. {where}=<{_type_name(tp)}>"
+    )
+
+
+def _section_fields(section_cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section_cls)}
+
+
+def _section_types(section_cls) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _all_keys() -> list[str]:
+    keys = []
+    for section in SECTIONS:
+        keys += [f"{section}.{k}" for k in _section_fields(_section_class(section))]
+    return keys
+
+
+def _section_class(section: str):
+    return typing.get_type_hints(Config)[section]
+
+
+def _apply(raw: dict, key: str, value: Any, source: str) -> None:
+    """Set dotted `key` (section.field, or env.params.<name>) in the nested dict `raw`."""
+    parts = key.split(".")
+    if parts[0] not in SECTIONS or len(parts) < 2:
+        raise ConfigError(
+            f"unknown config key {key!r} in {source}{_closest(key, _all_keys())} "
+            f"keys have the form section.field with section one of: {', '.join(SECTIONS)}"
+        )
+    section, name = parts[0], parts[1]
+    fields = _section_fields(_section_class(section))
+    if name not in fields:
+        raise ConfigError(
+            f"unknown config key {key!r} in {source}{_closest(key, _all_keys())} "
+            f"valid keys of [{section}]: {', '.join(fields)}"
+        )
+    tp = _section_types(_section_class(section))[name]
+    if len(parts) > 2:
+        if typing.get_origin(tp) is not dict and tp is not dict:
+            raise ConfigError(f"{section}.{name} is not a mapping; {key!r} in {source} cannot set a sub-key")
+        raw.setdefault(section, {}).setdefault(name, {})
+        raw[section][name][".".join(parts[2:])] = value
+        return
+    raw.setdefault(section, {})[name] = _coerce(value, tp, f"{section}.{name}")
+
+
+def _flatten(data: dict, source: str) -> list[tuple[str, Any]]:
+    items = []
+    for section, body in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"unknown config section {section!r} in {source}{_closest(str(section), SECTIONS)} "
+                f"sections: {', '.join(SECTIONS)}"
+            )
+        if not isinstance(body, dict):
+            raise ConfigError(f"section {section!r} in {source} must be a mapping, received {body!r}")
+        items += [(f"{section}.{key}", value) for key, value in body.items()]
+    return items
+
+
+def available_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    candidate = CONFIGS_DIR / f"{name_or_path}.yaml"
+    if candidate.exists():
+        return candidate
+    names = available_configs()
+    raise ConfigError(
+        f"unknown config {name_or_path!r}{_closest(name_or_path, names)} configs in {CONFIGS_DIR}: "
+        f"{', '.join(names) or '(none)'}; or pass the path of a .yaml file"
+    )
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`section.key=value` -> (key, value) with YAML typing: 3 -> int, 1e-3 -> float, true, null, [1, 2]."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} has no '='; write it as section.key=value, e.g. rollout.group_size=8")
+    key, _, value = text.partition("=")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def load_config(name_or_path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then `configs/<name>.yaml` (or a path), then `section.key=value` overrides."""
+    raw: dict = {}
+    name = "default"
+    if name_or_path:
+        path = resolve_config_path(name_or_path)
+        name = path.stem
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, received {type(data).__name__}")
+        for key, value in _flatten(data, str(path)):
+            _apply(raw, key, value, str(path))
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _apply(raw, key, value, "command-line override")
+    return from_dict(raw, name)
+
+
+def from_dict(raw: dict, name: str = "default") -> Config:
+    """Build a Config from a nested dict (e.g. a run's saved config.yaml)."""
+    sections = {}
+    for section in SECTIONS:
+        cls = _section_class(section)
+        values = {}
+        types_ = _section_types(cls)
+        for key, value in (raw.get(section) or {}).items():
+            if key not in types_:
+                raise ConfigError(f"unknown config key '{section}.{key}'{_closest(f'{section}.{key}', _all_keys())}")
+            values[key] = _coerce(value, types_[key], f"{section}.{key}")
+        if "params" in values and section == "env":
+            values["params"] = _nest(values["params"])
+        sections[section] = cls(**values)
+    return Config(**sections, name=name)
+
+
+def _nest(params: dict) -> dict:
+    """{"a.b": 1} -> {"a": {"b": 1}} so env.params.x.y=... overrides build nested params."""
+    out: dict = {}
+    for key, value in params.items():
+        node = out
+        *head, last = str(key).split(".")
+        for part in head:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
+def to_yaml(cfg: Config, with_help: bool = False) -> str:
+    """The resolved config as YAML; with `with_help`, each field carries its help as a comment."""
+    if not with_help:
+        return yaml.safe_dump({"name": cfg.name, **{s: cfg.to_dict()[s] for s in SECTIONS}}, sort_keys=False)
+    lines = [f"# resolved config: {cfg.name}"]
+    for section in SECTIONS:
+        lines.append(f"{section}:")
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            value = yaml.safe_dump(getattr(obj, f.name), default_flow_style=True).strip()
+            value = value.removesuffix("\n...").removesuffix("...").strip()
+            entry = f"  {f.name}: {value}"
+            lines.append(f"{entry:<50} # {f.metadata.get('help', '')}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m vagen.config NAME|PATH [section.key=value ...]")
+        print(f"configs: {', '.join(available_configs())}")
+        return 0
+    try:
+        cfg = load_config(argv[0], argv[1:])
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    print(to_yaml(cfg, with_help=True), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
