@@ -1,0 +1,44 @@
+"""StarPO / TRICO algorithms as pure functions over tensors (imports torch only).
+
+All tensors are [B, L] (B sequences, L tokens) unless a docstring says otherwise.
+"""
+
+from vagen.core.advantages import gae, grpo_advantages, masked_whiten, turn_level_gae
+from vagen.core.losses import (
+    AGG_MODES,
+    aggregate_loss,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    ppo_policy_loss,
+    value_loss,
+)
+from vagen.core.monitor import CollapseMonitor, collapse_indicators, distinct_n, echo_rate
+from vagen.core.selection import (
+    FILTER_MODES,
+    SELECT_MODES,
+    filter_groups_by_reward_std,
+    select_critical_tokens,
+)
+
+__all__ = [
+    "AGG_MODES",
+    "FILTER_MODES",
+    "SELECT_MODES",
+    "CollapseMonitor",
+    "aggregate_loss",
+    "collapse_indicators",
+    "distinct_n",
+    "echo_rate",
+    "entropy_from_logits",
+    "filter_groups_by_reward_std",
+    "gae",
+    "grpo_advantages",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_whiten",
+    "ppo_policy_loss",
+    "select_critical_tokens",
+    "turn_level_gae",
+    "value_loss",
+]

@@ -1,0 +1,165 @@
+"""Collapse indicators (pure) and a small stateful monitor that turns them into warnings.
+
+Multi-turn RL collapses in recognisable ways: in-group reward std goes to 0 (no learning
+signal), token entropy collapses, gradient norms spike, and the "echo trap": the policy
+writes the same reasoning whatever the level. `collapse_indicators` measures them for one
+batch; `CollapseMonitor` compares them with their own history.
+"""
+
+import statistics
+from collections import deque
+
+import torch
+
+from vagen.core._checks import check_same_shape
+from vagen.core.selection import group_std
+
+__all__ = ["collapse_indicators", "distinct_n", "echo_rate", "CollapseMonitor"]
+
+
+def distinct_n(texts: list[str], n: int = 2) -> float:
+    """Distinct-n over a batch: unique word n-grams / all word n-grams (whitespace split).
+
+    0.0 when the texts hold no n-gram at all (empty reasoning is itself a collapse sign).
+    """
+    grams = [
+        tuple(words[i : i + n]) for words in (t.split() for t in texts) for i in range(len(words) - n + 1)
+    ]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def echo_rate(texts: list[str], seeds: list[int]) -> float:
+    """Fraction of trajectories whose reasoning text also appears under a different seed.
+
+    Texts are compared after collapsing whitespace; 0.0 for an empty batch.
+    """
+    if len(texts) != len(seeds):
+        raise ValueError(f"echo_rate: got {len(texts)} texts but {len(seeds)} seeds; need one seed per text")
+    seeds_by_text: dict[str, set] = {}
+    normalised = [" ".join(text.split()) for text in texts]
+    for text, seed in zip(normalised, seeds, strict=True):
+        seeds_by_text.setdefault(text, set()).add(seed)
+    echoed = sum(len(seeds_by_text[text]) > 1 for text in normalised)
+    return echoed / len(texts) if texts else 0.0
+
+
+def collapse_indicators(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    response_lengths: torch.Tensor,
+    reasoning_texts: list[str],
+    seeds: list[int],
+) -> dict[str, float]:
+    """Collapse indicators for one batch of B trajectories.
+
+    Args:
+        scores: [B] float, trajectory scores; group_ids: [B] int, rollout groups.
+        entropies: [B, L] float, per-token policy entropy; mask: [B, L] bool or 0/1 (loss_mask).
+            Only their masked mean is used, so any equal shapes work (e.g. [1, N] concatenated).
+        response_lengths: [B] int or float, generated tokens per trajectory.
+        reasoning_texts: B strings, e.g. the <think> contents of each trajectory, joined.
+        seeds: B level seeds (ints), the level each trajectory played.
+
+    Returns:
+        reward_std_in_group: mean unbiased in-group score std over groups of 2 or more (0 if none);
+        entropy_mean: mean entropy over masked-in tokens (0 if none);
+        response_length_mean: mean of response_lengths;
+        echo_rate: fraction of trajectories whose reasoning text also appears under a different seed;
+        distinct_2: unique / all word bigrams over reasoning_texts (0 if no bigram).
+    """
+    check_same_shape(
+        "collapse_indicators", 1, scores=scores, group_ids=group_ids, response_lengths=response_lengths
+    )
+    check_same_shape("collapse_indicators", None, entropies=entropies, mask=mask)
+    batch = scores.shape[0]
+    if len(reasoning_texts) != batch or len(seeds) != batch:
+        raise ValueError(
+            f"collapse_indicators: batch sizes differ: scores {batch}, reasoning_texts {len(reasoning_texts)}, "
+            f"seeds {len(seeds)}; need one text and one seed per trajectory"
+        )
+    std, inverse = group_std(scores, group_ids)
+    multi = torch.bincount(inverse, minlength=std.numel()) > 1 if batch else torch.zeros(0, dtype=torch.bool)
+    keep = mask != 0
+    n_tokens = int(keep.sum())
+    entropy_sum = float(torch.where(keep, entropies.double(), torch.zeros((), dtype=torch.float64)).sum())
+    return {
+        "reward_std_in_group": float(std[multi].mean()) if bool(multi.any()) else 0.0,
+        "entropy_mean": entropy_sum / n_tokens if n_tokens else 0.0,
+        "response_length_mean": float(response_lengths.double().mean()) if batch else 0.0,
+        "echo_rate": echo_rate(reasoning_texts, [int(s) for s in seeds]),
+        "distinct_2": distinct_n(reasoning_texts, 2),
+    }
+
+
+class CollapseMonitor:
+    """Turns per-step metrics into human-readable collapse warnings.
+
+    `update(metrics)` reads (each optional) "grad_norm", "entropy_mean" and
+    "reward_std_in_group" and returns a list of warning strings (empty when all is well):
+      - gradient-norm spike: grad_norm > k x the median of the previous `window` values
+        (needs `min_history` earlier values);
+      - entropy collapse: entropy_mean < entropy_frac x the highest entropy seen so far;
+      - in-group std drop: reward_std_in_group <= std_floor, or < std_frac x the median of
+        the previous `window` values (needs `min_history` earlier values).
+    """
+
+    def __init__(
+        self,
+        window: int = 20,
+        k: float = 3.0,
+        entropy_frac: float = 0.25,
+        std_frac: float = 0.25,
+        std_floor: float = 1e-6,
+        min_history: int = 3,
+    ):
+        if window < 1 or k <= 0:
+            raise ValueError(f"CollapseMonitor: need window >= 1 and k > 0, got window={window!r}, k={k!r}")
+        self.window, self.k = window, k
+        self.entropy_frac, self.std_frac, self.std_floor = entropy_frac, std_frac, std_floor
+        self.min_history = min_history
+        self.grad_norms: deque[float] = deque(maxlen=window)
+        self.stds: deque[float] = deque(maxlen=window)
+        self.entropy_peak: float | None = None
+        self.step = 0
+
+    def update(self, metrics: dict) -> list[str]:
+        """Check one step's metrics against the history, then add them to it."""
+        warnings = []
+        step = self.step
+        self.step += 1
+        if "grad_norm" in metrics:
+            g = float(metrics["grad_norm"])
+            if len(self.grad_norms) >= self.min_history:
+                median = statistics.median(self.grad_norms)
+                if g > self.k * median:
+                    warnings.append(
+                        f"step {step}: gradient-norm spike: grad_norm {g:.4g} > {self.k:g} x running median "
+                        f"{median:.4g} (last {len(self.grad_norms)} steps)"
+                    )
+            self.grad_norms.append(g)
+        if "entropy_mean" in metrics:
+            h = float(metrics["entropy_mean"])
+            if self.entropy_peak is not None and h < self.entropy_frac * self.entropy_peak:
+                warnings.append(
+                    f"step {step}: entropy collapse: entropy_mean {h:.4g} < {self.entropy_frac:g} x peak "
+                    f"{self.entropy_peak:.4g}"
+                )
+            self.entropy_peak = h if self.entropy_peak is None else max(self.entropy_peak, h)
+        if "reward_std_in_group" in metrics:
+            s = float(metrics["reward_std_in_group"])
+            if s <= self.std_floor:
+                warnings.append(
+                    f"step {step}: in-group reward std collapsed: reward_std_in_group {s:.4g} <= floor "
+                    f"{self.std_floor:g} (no learning signal)"
+                )
+            elif len(self.stds) >= self.min_history:
+                median = statistics.median(self.stds)
+                if s < self.std_frac * median:
+                    warnings.append(
+                        f"step {step}: in-group reward std drop: reward_std_in_group {s:.4g} < {self.std_frac:g} x "
+                        f"running median {median:.4g} (last {len(self.stds)} steps)"
+                    )
+            self.stds.append(s)
+        return warnings
