@@ -2,6 +2,13 @@ import os
 
 import pytest
 
+try:
+    # Triton (loaded by torch._dynamo) segfaults when it loads after Mesa's LLVM, which MuJoCo's EGL
+    # rendering brings in; load it first so test order cannot matter.
+    import torch._dynamo  # noqa: F401
+except ImportError:
+    pass
+
 # Offscreen MuJoCo rendering through Mesa's EGL; without it MuJoCo looks for an X11 display.
 os.environ.setdefault("MUJOCO_GL", "egl")
 

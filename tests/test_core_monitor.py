@@ -118,3 +118,9 @@ def test_monitor_ignores_missing_keys_and_checks_arguments():
     assert monitor.update({}) == [] and monitor.update({"actor/lr": 1e-6}) == []
     with pytest.raises(ValueError, match=r"need window >= 1 and k > 0, got window=0, k=3.0"):
         CollapseMonitor(window=0)
+
+
+def test_echo_rate_ignores_empty_reasoning():
+    from vagen.core import echo_rate
+
+    assert echo_rate(["", "", "push left", "push left"], [1, 2, 3, 4]) == 0.5

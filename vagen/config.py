@@ -64,7 +64,6 @@ class RolloutConfig:
     top_p: float = _f(0.95, "nucleus sampling threshold")
     top_k: int = _f(0, "top-k sampling; 0 = off (transformers would otherwise use 50)")
     max_trajectory_length: int = _f(4096, "tokens per trajectory at most; whole turns are dropped")
-    keep_history_images: int = _f(-1, "images of past turns kept in the prompt; -1 = all")
 
 
 @dataclass

@@ -31,7 +31,8 @@ def distinct_n(texts: list[str], n: int = 2) -> float:
 def echo_rate(texts: list[str], seeds: list[int]) -> float:
     """Fraction of trajectories whose reasoning text also appears under a different seed.
 
-    Texts are compared after collapsing whitespace; 0.0 for an empty batch.
+    Texts are compared after collapsing whitespace; an empty text (no reasoning at all) is never
+    an echo; 0.0 for an empty batch.
     """
     if len(texts) != len(seeds):
         raise ValueError(f"echo_rate: got {len(texts)} texts but {len(seeds)} seeds; need one seed per text")
@@ -39,7 +40,7 @@ def echo_rate(texts: list[str], seeds: list[int]) -> float:
     normalised = [" ".join(text.split()) for text in texts]
     for text, seed in zip(normalised, seeds, strict=True):
         seeds_by_text.setdefault(text, set()).add(seed)
-    echoed = sum(len(seeds_by_text[text]) > 1 for text in normalised)
+    echoed = sum(bool(text) and len(seeds_by_text[text]) > 1 for text in normalised)
     return echoed / len(texts) if texts else 0.0
 
 

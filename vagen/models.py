@@ -1,0 +1,351 @@
+"""Policies, critics and their processors: local Hugging Face checkpoints or the built-in tiny models.
+
+`model.path` is a local checkpoint directory (Qwen2.5-VL / Qwen2-VL for vision configs, a
+Qwen2.5/Qwen3-style causal LM for text configs) or one of:
+
+- `builtin:tiny-vl` — a real Qwen2.5-VL architecture with about 0.8 M parameters (text hidden 128 × 2
+  layers, vision tower 2 × 64), the stock Qwen image processor with small pixel bounds, and a
+  byte-level BPE tokenizer trained locally on the environments' own prompt text;
+- `builtin:tiny-text` — the same tokenizer with a Qwen2 causal LM of the same text size.
+
+Built-ins are random-initialised from a seed, built offline in seconds, saved with `save_pretrained`
+into a cache directory keyed by their specification, and loaded back through the Auto classes like
+any checkpoint. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch._dynamo  # noqa: F401  (see below)
+from torch import nn
+
+# torch._dynamo loads Triton, whose LLVM crashes the process (segfault) when Mesa's LLVM is already
+# loaded by an EGL context, i.e. after a MuJoCo frame was rendered. Loading it first is safe.
+
+BUILTINS = ("builtin:tiny-vl", "builtin:tiny-text")
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Tokens a random model may sample that must never appear in a response.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+# The chat markup of Qwen models: `<|im_start|>role\ncontent<|im_end|>\n`, an image as
+# `<|vision_start|><|image_pad|><|vision_end|>` (the processor expands the pad to one token per
+# 28x28-pixel patch group).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Sizes of a built-in model. Changing any field changes the cache key."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vision_depth: int = 2
+    vision_hidden: int = 64
+    vision_heads: int = 4
+    min_pixels: int = 56 * 56
+    max_pixels: int = 224 * 224
+    version: int = 1
+
+
+def _quiet_transformers():
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+# -- tokenizer corpus ---------------------------------------------------------------------------------
+
+def tokenizer_corpus() -> list[str]:
+    """Deterministic training text for the built-in tokenizer: every environment's system prompt in
+    every format, observations of a few levels, and well-formed responses with every action name."""
+    import envs_visual
+    from envs_visual.base import PROMPT_FORMATS
+
+    texts: list[str] = []
+    for name in envs_visual.ENVS:
+        try:
+            cls = envs_visual.env_class(name)
+        except Exception:  # an environment whose optional dependency is missing adds no text
+            continue
+        for prompt_format in PROMPT_FORMATS:
+            for render_mode in getattr(cls, "render_modes", ("text",)):
+                try:
+                    env = envs_visual.make(name, prompt_format=prompt_format, render_mode=render_mode)
+                    texts.append(env.system_prompt())
+                    for seed in range(3):
+                        obs, _ = env.reset(seed=seed)
+                        texts.append(obs.text)
+                    if hasattr(env, "close"):
+                        env.close()
+                except Exception:
+                    continue
+        actions = list(getattr(cls, "action_names", ()))
+        for i, action in enumerate(actions):
+            other = actions[(i + 1) % len(actions)]
+            texts.append(f"<think>I should go {action.lower()} first.</think><answer>{action}</answer>")
+            texts.append(f"<answer>{action}, {other}</answer>")
+            texts.append(
+                f"<think><observation>The player is next to the target.</observation><reasoning>Moving "
+                f"{action} helps.</reasoning><prediction>The player moves.</prediction></think>"
+                f"<answer>{action},{other},{action}</answer>"
+            )
+    texts.append(" ".join(str(i) for i in range(200)) + " + - * / ( ) = ")
+    return texts
+
+
+def _train_tokenizer(spec: TinySpec):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = tokenizer_corpus()
+    tok.train_from_iterator(corpus * 4, trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=32768,
+    )
+    hf.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def _build_tiny(name: str, out_dir: Path, seed: int, spec: TinySpec) -> None:
+    _quiet_transformers()
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    tokenizer = _train_tokenizer(spec)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab = len(tokenizer)
+    head_dim = spec.hidden_size // spec.num_heads
+    text = dict(
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=32768,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    if name == "builtin:tiny-vl":
+        # M-RoPE splits each head's rotary frequencies between time, height and width; the three
+        # sections must add up to head_dim / 2.
+        half = head_dim // 2
+        mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope}
+        config = Qwen2_5_VLConfig(
+            text_config=text,
+            vision_config=dict(
+                depth=spec.vision_depth,
+                hidden_size=spec.vision_hidden,
+                intermediate_size=2 * spec.vision_hidden,
+                num_heads=spec.vision_heads,
+                out_hidden_size=spec.hidden_size,
+                fullatt_block_indexes=[spec.vision_depth - 1],
+                window_size=112,
+            ),
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+            tie_word_embeddings=True,
+        )
+        model = Qwen2_5_VLForConditionalGeneration(config)
+        bounds = dict(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+        processor = Qwen2_5_VLProcessor(
+            image_processor=Qwen2VLImageProcessor(**bounds),
+            tokenizer=tokenizer,
+            video_processor=Qwen2VLVideoProcessor(**bounds),
+            chat_template=CHAT_TEMPLATE,
+        )
+    else:
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        model = Qwen2ForCausalLM(Qwen2Config(**text))
+        processor = tokenizer
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    (tmp / "vagen_builtin.json").write_text(json.dumps({"name": name, "seed": seed, **spec.__dict__}))
+    os.replace(tmp, out_dir)
+
+
+def resolve_model_path(path: str, cache_dir: str = "~/.cache/vagen", seed: int = 0,
+                       spec: TinySpec | None = None) -> Path:
+    """A checkpoint directory for `path`: built-ins are built once per (spec, seed, prompts) and
+    cached; anything else must be an existing local directory."""
+    if path in BUILTINS:
+        spec = spec or TinySpec()
+        corpus_hash = hashlib.sha256("\n".join(tokenizer_corpus()).encode()).hexdigest()
+        key = hashlib.sha256(json.dumps([path, spec.__dict__, corpus_hash]).encode()).hexdigest()[:12]
+        root = Path(os.path.expanduser(cache_dir))
+        root.mkdir(parents=True, exist_ok=True)
+        out = root / f"{path.split(':')[1]}-{key}-seed{seed}"
+        with _file_lock(root / f".{out.name}.lock"):
+            if not (out / "config.json").exists():
+                _build_tiny(path, out, seed, spec)
+        return out
+    if path.startswith("builtin:"):
+        raise ValueError(f"unknown built-in model {path!r}; choices: {', '.join(BUILTINS)}")
+    local = Path(os.path.expanduser(path))
+    if not (local / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path={path!r} is not a local checkpoint directory (no config.json at {local}); "
+            f"download the checkpoint beforehand (e.g. Qwen/Qwen2.5-VL-3B-Instruct) and pass its "
+            f"directory, or use one of {', '.join(BUILTINS)}"
+        )
+    return local
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Several ranks may ask for the same built-in at once: one builds, the others wait."""
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def is_vision_checkpoint(path: Path) -> bool:
+    config = json.loads((Path(path) / "config.json").read_text())
+    return "vision_config" in config
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_policy(path: Path, dtype: str = "float32"):
+    """(model, processor) for a checkpoint directory; the processor of a text model is its tokenizer."""
+    _quiet_transformers()
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    if is_vision_checkpoint(path):
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=DTYPES[dtype])
+        processor = AutoProcessor.from_pretrained(path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        processor = AutoTokenizer.from_pretrained(path)
+    return model, processor
+
+
+def tokenizer_of(processor):
+    return getattr(processor, "tokenizer", processor)
+
+
+def backbone_of(model: nn.Module) -> nn.Module:
+    """The transformer under the language-model head (returns hidden states, no logits)."""
+    return model.model
+
+
+class ValueModel(nn.Module):
+    """Critic: the policy's architecture and weights with a scalar head on the last hidden state.
+
+    `forward` takes the same inputs as the policy and returns values [B, L] where
+    `values[:, t]` estimates the return from the state in which token t is chosen (the hidden state
+    at position t - 1); `values[:, 0]` is 0.
+    """
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.backbone = backbone_of(policy)
+        hidden = policy.config.get_text_config().hidden_size
+        self.value_head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, **inputs) -> torch.Tensor:
+        hidden = self.backbone(**inputs, use_cache=False).last_hidden_state
+        values = self.value_head(hidden[:, :-1].to(self.value_head.weight.dtype)).squeeze(-1)
+        return torch.nn.functional.pad(values, (1, 0))
+
+    def save(self, out_dir: Path, state_dict: dict | None = None) -> None:
+        """Backbone in HF format and the head's weights; `state_dict` is the full critic state when
+        the live parameters are partitioned (ZeRO-3)."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        backbone_state = head_state = None
+        if state_dict is not None:
+            backbone_state = {k[len("backbone."):]: v for k, v in state_dict.items() if k.startswith("backbone.")}
+            head_state = {k[len("value_head."):]: v for k, v in state_dict.items() if k.startswith("value_head.")}
+        self.backbone.save_pretrained(out_dir / "backbone", state_dict=backbone_state)
+        torch.save(head_state or self.value_head.state_dict(), out_dir / "value_head.pt")
+
+    def load(self, out_dir: Path) -> None:
+        from safetensors.torch import load_file
+
+        out_dir = Path(out_dir)
+        state = {}
+        for shard in sorted((out_dir / "backbone").glob("*.safetensors")):
+            state.update(load_file(shard))
+        missing, unexpected = self.backbone.load_state_dict(state, strict=False)
+        if unexpected:
+            raise RuntimeError(f"critic checkpoint {out_dir} does not match the model: unexpected {unexpected[:5]}")
+        self.value_head.load_state_dict(torch.load(out_dir / "value_head.pt", weights_only=True))
+
+
+def set_pixel_bounds(processor, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Override the image processor's pixel bounds (fewer pixels: fewer image tokens)."""
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None:
+        return
+    size = dict(image_processor.size)
+    if min_pixels:
+        size["shortest_edge"] = min_pixels
+    if max_pixels:
+        size["longest_edge"] = max_pixels
+    image_processor.size = size

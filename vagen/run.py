@@ -1,0 +1,231 @@
+"""The run directory: resolved config, metrics (JSON lines and tensorboard), progress bar,
+checkpoints with a pointer to the latest, resuming, and periodic evaluation.
+
+    runs/<config>-<time>/
+        config.yaml                 the resolved config (reproduce with --config runs/.../config.yaml)
+        metrics.jsonl               one JSON object per iteration (slash-named metrics, warnings)
+        events.out.tfevents.*       tensorboard
+        checkpoints/step_N/actor/   Hugging Face format (model + processor), loadable with from_pretrained
+        checkpoints/step_N/critic/  critic backbone + value head
+        checkpoints/step_N/deepspeed/  engine states (optimizer, scheduler) for resuming
+        checkpoints/step_N/trainer_state.json
+        checkpoints/latest          name of the newest complete checkpoint
+        eval/step_N/                evaluation results and episode videos
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vagen.config import Config, to_yaml
+
+# Metrics that are counts per rank: summed over ranks instead of averaged.
+SUMMED_METRICS = ("rollout/truncated_trajectories", "rollout/generated_tokens")
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def active(self) -> bool:
+        return torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1
+
+
+def reduce_metrics(stats: dict[str, float], dist: Dist) -> dict[str, float]:
+    """Average metrics over ranks (sum the counts); keys missing on a rank are averaged over the rest."""
+    if not dist.active:
+        return dict(stats)
+    gathered: list[dict] = [None] * dist.world_size  # type: ignore[list-item]
+    torch.distributed.all_gather_object(gathered, stats)
+    out = {}
+    for key in sorted({k for g in gathered for k in g}):
+        values = [float(g[key]) for g in gathered if key in g]
+        out[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
+    return out
+
+
+def _broadcast(value, dist: Dist):
+    if not dist.active:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Progress:
+    def __init__(self, start: int, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="it", dynamic_ncols=True)
+
+    def update(self, it: int, stats: dict[str, float]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(success=f"{stats.get('rollout/success', 0):.2f}",
+                                 reward=f"{stats.get('rollout/reward_mean', 0):.2f}", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class RunDir:
+    def __init__(self, path: Path, dist: Dist, tensorboard: bool):
+        self.path = path
+        self.dist = dist
+        self.is_main = dist.rank == 0
+        self.t0 = time.time()
+        self.writer = None
+        self.resume_from: Path | None = None
+        if self.is_main and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(path))
+
+    # -- creation and resuming ------------------------------------------------------------------------
+    @classmethod
+    def create(cls, cfg: Config, dist: Dist) -> RunDir:
+        """A new run directory, or the one being resumed (`train.resume=auto|PATH`)."""
+        resume_from = None
+        path = None
+        if dist.rank == 0:
+            resume_from = find_checkpoint(cfg)
+            if resume_from is not None:
+                path = resume_from.parent.parent
+            else:
+                name = cfg.train.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+                path = Path(cfg.train.run_dir) / name
+                path.mkdir(parents=True, exist_ok=cfg.train.run_name is not None)
+            (path / "config.yaml").write_text(to_yaml(cfg))
+        path, resume_from = _broadcast((path, resume_from), dist)
+        run = cls(Path(path), dist, cfg.log.tensorboard)
+        run.resume_from = resume_from
+        return run
+
+    def maybe_resume(self, cfg: Config, actor_engine, critic_engine) -> int:
+        """Load engine states of the checkpoint being resumed; return the first iteration to run."""
+        if self.resume_from is None:
+            return 0
+        ckpt = self.resume_from
+        for name, engine in (("actor", actor_engine), ("critic", critic_engine)):
+            if engine is not None:
+                load_path, _ = engine.load_checkpoint(str(ckpt / "deepspeed"), tag=name)
+                if load_path is None:
+                    raise FileNotFoundError(f"no {name} engine state under {ckpt / 'deepspeed'}; the checkpoint is incomplete")
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        if self.is_main:
+            print(f"resuming from {ckpt} at iteration {state['iteration'] + 1}", flush=True)
+        return int(state["iteration"]) + 1
+
+    def progress(self, start: int, total: int, enabled: bool) -> Progress:
+        return Progress(start, total, enabled)
+
+    # -- logging ------------------------------------------------------------------------------------
+    def log(self, it: int, stats: dict[str, float], warnings: list[str]) -> None:
+        record = {"iteration": it, "time": round(time.time() - self.t0, 3)}
+        record.update({k: (v if math.isfinite(v) else None) for k, v in sorted(stats.items())})
+        record["warnings"] = warnings
+        with open(self.path / "metrics.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in stats.items():
+                if math.isfinite(value):
+                    self.writer.add_scalar(key, value, it)
+            self.writer.flush()
+        for warning in warnings:
+            print(f"[collapse monitor] iteration {it}: {warning}", flush=True)
+
+    # -- evaluation and checkpoints -----------------------------------------------------------------
+    def maybe_evaluate(self, it: int, cfg: Config, model, encoder) -> None:
+        every = cfg.eval.every
+        if every <= 0 or (it + 1) % every != 0:
+            return
+        from vagen.eval import evaluate
+
+        summary = evaluate(model, encoder, cfg, cfg.eval.episodes, self.path / "eval" / f"step_{it + 1}",
+                           videos=cfg.eval.videos, dist=self.dist, with_baselines=False)
+        if self.is_main:
+            self.log(it, {f"eval/{k}": v for k, v in summary.items() if isinstance(v, (int, float))}, [])
+
+    def maybe_save(self, it: int, cfg: Config, actor_engine, critic_engine, processor) -> None:
+        last = it + 1 == cfg.train.iterations
+        every = cfg.train.save_every
+        if not (last or (every > 0 and (it + 1) % every == 0)):
+            return
+        save_checkpoint(self.path / "checkpoints" / f"step_{it + 1}", it, actor_engine, critic_engine, processor,
+                        self.dist)
+
+    def finish(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.is_main:
+            print(f"run directory: {self.path}", flush=True)
+
+
+def _full_state_dict(engine):
+    """The module's full weights; under ZeRO-3 they are gathered from all ranks (collective)."""
+    if engine.zero_optimization_stage() == 3:
+        return engine._zero3_consolidated_16bit_state_dict()
+    return None
+
+
+def save_checkpoint(out: Path, it: int, actor_engine, critic_engine, processor, dist: Dist) -> None:
+    """Every rank takes part (engine states are collective); rank 0 writes the HF-format files."""
+    actor_state = _full_state_dict(actor_engine)
+    critic_state = _full_state_dict(critic_engine) if critic_engine is not None else None
+    if dist.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        actor_engine.module.save_pretrained(out / "actor", state_dict=actor_state)
+        processor.save_pretrained(out / "actor")
+        if critic_engine is not None:
+            critic_engine.module.save(out / "critic", state_dict=critic_state)
+    for name, engine in (("actor", actor_engine), ("critic", critic_engine)):
+        if engine is not None:
+            engine.save_checkpoint(str(out / "deepspeed"), tag=name)
+    if dist.rank == 0:
+        (out / "trainer_state.json").write_text(json.dumps({"iteration": it}))
+        (out.parent / "latest").write_text(out.name)
+    if dist.active:
+        torch.distributed.barrier()
+
+
+def find_checkpoint(cfg: Config) -> Path | None:
+    """The checkpoint directory `train.resume` points at: a path, or with `auto` the latest complete
+    checkpoint of the newest run of this config (or of `train.run_name`)."""
+    resume = cfg.train.resume
+    if not resume:
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if (path / "checkpoints" / "latest").exists():
+            path = path / "checkpoints" / (path / "checkpoints" / "latest").read_text().strip()
+        if not (path / "trainer_state.json").exists():
+            raise FileNotFoundError(
+                f"train.resume={resume!r}: no checkpoint there (expected trainer_state.json in a "
+                f"runs/<run>/checkpoints/step_N directory, or a run directory with checkpoints/latest)"
+            )
+        return path
+    root = Path(cfg.train.run_dir)
+    prefix = cfg.train.run_name or f"{cfg.name}-"
+    candidates = sorted(
+        (p for p in root.glob("*") if (p / "checkpoints" / "latest").exists()
+         and (p.name == prefix or p.name.startswith(prefix))),
+        key=lambda p: (p / "checkpoints" / "latest").stat().st_mtime,
+    )
+    if not candidates:
+        print(f"train.resume=auto: no checkpoint of {prefix!r} under {root}; starting a new run", flush=True)
+        return None
+    run = candidates[-1]
+    return run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()

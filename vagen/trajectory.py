@@ -1,0 +1,141 @@
+"""From episodes to training tensors: one token sequence per trajectory with its masks.
+
+Per trajectory, aligned with `input_ids` (length L):
+- `loss_mask`     1 on generated tokens (each turn's closing `<|im_end|>` included)
+- `turn_end_mask` 1 on the last generated token of each turn (its `<|im_end|>`)
+- `answer_mask`   1 on generated tokens overlapping `<answer>…</answer>`
+- `think_mask`    1 on generated tokens overlapping `<think>…</think>`
+- `token_rewards` each turn's reward at its turn end, 0 elsewhere
+- `position_ids`  M-RoPE positions [3, L] from the model's own rope-index function (vision models)
+                  or 0..L-1 (text models)
+Per-token quantities computed later (old log-probabilities, values, advantages, …) are stored on the
+sample under the same names and padded the same way by `collate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vagen.rollout import ChatEncoder, Episode
+
+TOKEN_FIELDS = ("loss_mask", "turn_end_mask", "answer_mask", "think_mask", "token_rewards")
+
+
+@dataclass
+class Sample:
+    input_ids: torch.Tensor  # [L]
+    position_ids: torch.Tensor  # [3, L] or [L]
+    loss_mask: torch.Tensor
+    turn_end_mask: torch.Tensor
+    answer_mask: torch.Tensor
+    think_mask: torch.Tensor
+    token_rewards: torch.Tensor
+    pixel_values: torch.Tensor | None  # [n_patches, d] for all images in order
+    image_grid_thw: torch.Tensor | None  # [n_images, 3]
+    group_id: int
+    score: float
+    seed: int
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # old_logprobs, values, advantages, ...
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def char_offsets(tokenizer, ids: list[int]) -> list[int]:
+    """End character offset of each token in the decoded text of `ids`."""
+    return [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+
+
+def tag_span(text: str, tag: str) -> tuple[int, int] | None:
+    """[start, end) of the first `<tag>…</tag>` in text, tags included."""
+    start = text.find(f"<{tag}>")
+    if start < 0:
+        return None
+    end = text.find(f"</{tag}>", start)
+    return (start, end + len(tag) + 3) if end >= 0 else None
+
+
+def span_token_mask(offsets: list[int], span: tuple[int, int] | None) -> list[int]:
+    if span is None:
+        return [0] * len(offsets)
+    mask, begin = [], 0
+    for end in offsets:
+        mask.append(int(end > span[0] and begin < span[1] and end > begin))
+        begin = end
+    return mask
+
+
+def rope_positions(model, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, image_pad_id) -> torch.Tensor:
+    """M-RoPE position ids [3, L] of one unpadded sequence from the model's rope-index function."""
+    if image_grid_thw is None or image_pad_id is None:
+        return torch.arange(input_ids.shape[0]).expand(3, -1).clone()
+    inner = model.model
+    ids = input_ids[None]
+    mm_types = (ids == image_pad_id).int()
+    positions, _ = inner.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=image_grid_thw)
+    return positions[:, 0].cpu()
+
+
+def episode_to_sample(episode: Episode, encoder: ChatEncoder, model=None) -> Sample:
+    ids = torch.tensor(episode.input_ids, dtype=torch.long)
+    L = ids.shape[0]
+    masks = {name: torch.zeros(L) for name in TOKEN_FIELDS}
+    for turn in episode.turns:
+        start, end = turn.span
+        masks["loss_mask"][start:end] = 1
+        masks["turn_end_mask"][end - 1] = 1
+        masks["token_rewards"][end - 1] = turn.reward
+        generated = episode.input_ids[start : end - 1]  # without the closing <|im_end|>
+        text = encoder.tokenizer.decode(generated, skip_special_tokens=True)
+        offsets = char_offsets(encoder.tokenizer, generated)
+        for name, tag in (("answer_mask", "answer"), ("think_mask", "think")):
+            masks[name][start : end - 1] = torch.tensor(span_token_mask(offsets, tag_span(text, tag)), dtype=torch.float)
+    grids = torch.stack(episode.image_grid_thw) if episode.image_grid_thw else None
+    pixel_values = torch.cat(episode.pixel_values) if episode.pixel_values else None
+    if encoder.is_vision and model is not None:
+        position_ids = rope_positions(model, ids, grids, encoder.image_pad_id)
+    else:
+        position_ids = torch.arange(L)
+    return Sample(ids, position_ids, pixel_values=pixel_values, image_grid_thw=grids, group_id=episode.group_id,
+                  score=episode.total_reward, seed=episode.seed, **masks)
+
+
+def collate(samples: list[Sample], pad_id: int, fields: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Right-padded batch [B, Lmax] of the samples' model inputs, masks and the `fields` in
+    `sample.extra` (zeros at padding)."""
+    B, width = len(samples), max(s.length for s in samples)
+    batch = {
+        "input_ids": torch.full((B, width), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros((B, width), dtype=torch.long),
+    }
+    vision = samples[0].position_ids.dim() == 2
+    batch["position_ids"] = torch.zeros((3, B, width) if vision else (B, width), dtype=torch.long)
+    for name in TOKEN_FIELDS + tuple(fields):
+        batch[name] = torch.zeros((B, width))
+    for row, s in enumerate(samples):
+        n = s.length
+        batch["input_ids"][row, :n] = s.input_ids
+        batch["attention_mask"][row, :n] = 1
+        if vision:
+            batch["position_ids"][:, row, :n] = s.position_ids
+        else:
+            batch["position_ids"][row, :n] = s.position_ids
+        for name in TOKEN_FIELDS:
+            batch[name][row, :n] = getattr(s, name)
+        for name in fields:
+            batch[name][row, :n] = s.extra[name]
+    pixel_values = [s.pixel_values for s in samples if s.pixel_values is not None]
+    if pixel_values:
+        batch["pixel_values"] = torch.cat(pixel_values)
+        batch["image_grid_thw"] = torch.cat([s.image_grid_thw for s in samples if s.image_grid_thw is not None])
+    return batch
+
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw")
+
+
+def model_inputs(batch: dict[str, torch.Tensor], device=None) -> dict[str, torch.Tensor]:
+    return {k: (v.to(device) if device is not None else v) for k, v in batch.items() if k in MODEL_INPUTS}
