@@ -1,0 +1,716 @@
+"""Navigation: walk through one to a few connected rooms to a described piece of furniture.
+
+A level is a rectangular floor split by internal walls with doorways into rooms, holding objects
+of distinct shapes and colours (`assets/navigation/*.xml`). The agent is a camera at eye height.
+The instruction names one object by colour and shape ("Navigate to the red table."); that pair is
+unique in the level. Levels are a pure function of the seed (`generate_level`) and every level
+is solvable within `max_steps` (checked by the planner when it is generated).
+
+The world is MuJoCo, rendered offscreen with `mujoco.Renderer` (`MUJOCO_GL=egl` by default, set
+before mujoco is imported; `osmesa` also works), so it runs on any CPU. Collisions use an
+occupancy map derived from the same geometry the scene is built from: walls and object footprints
+as rectangles, the agent as a disc of radius `AGENT_RADIUS`.
+
+## Actions
+
+Up to `max_actions_per_turn` (default 5) per turn, comma-separated, case-insensitive:
+
+- `moveahead`, `moveback`, `moveleft`, `moveright`: step `step_length` (default 0.5 m) forward,
+  backward, left or right without turning. A step that would touch a wall or an object is blocked:
+  the pose stays, and the action is not effective.
+- `rotateleft`, `rotateright`: turn `rotate_degrees` (default 90) in place (left = counter-clockwise).
+- `lookup`, `lookdown`: tilt the camera `look_degrees` (default 30), at most `MAX_PITCH` (60) either
+  way; tilting past the limit is not effective.
+
+Headings: yaw 0 faces +x (east on the top-down map), 90 faces +y (north).
+
+## Observation
+
+Vision mode: the instruction and one first-person RGB frame (`image_width` x `image_height`,
+default 128 x 128, vertical field of view `fov`, default 90 degrees). Text mode: the instruction and
+a description of the view: heading, how many steps are free in each direction, and the objects in
+the field of view (not behind a wall) with their distance and direction.
+`render_topdown()` draws the map with the agent's path; `render_video_frame()` puts it beside the
+first-person frame. `state()` returns the level and the pose as plain data.
+`info` adds `distance` (metres from the camera to the closest point of the target's footprint),
+`pose`, `target` and `blocked` (blocked moves this turn) to the shared keys.
+
+## Reward
+
+`success_reward` (default +10) when the agent gets within `success_distance` (default 1.0 m) of the
+target's footprint, which ends the episode; plus the shared format reward for a well-formed
+response. After `max_steps` (default 30) executed actions the episode is truncated.
+`solve()` returns a shortest action list to the target (breadth-first search on the grid of
+positions `step_length` apart, moving only along the room's axes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from envs_visual.base import TextActionEnv
+from envs_visual.navigation_scene import (
+    COLOURS,
+    FLOOR_RGB,
+    MAX_PER_KIND,
+    OBJECT_KINDS,
+    WALL_HEIGHT,
+    WALL_RGB,
+    NavigationScene,
+    footprint,
+)
+
+AGENT_RADIUS = 0.18  # metres; the agent is a disc this wide for collisions
+MAX_PITCH = 60.0  # degrees up or down
+WALL_THICKNESS = 0.1
+DOOR_WIDTH = 1.0
+MIN_ROOM_WIDTH = 2.5
+SAMPLE_SPACING = 0.05  # metres between collision samples along a move
+ROUND_OBJECTS = ("lamp", "ball", "barrel")  # drawn as discs on the top-down map
+
+MOVES = {"moveahead": 0.0, "moveleft": 90.0, "moveback": 180.0, "moveright": 270.0}
+ROTATIONS = {"rotateleft": 1.0, "rotateright": -1.0}
+LOOKS = {"lookup": 1.0, "lookdown": -1.0}
+
+
+# -- level -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NavObject:
+    kind: str
+    colour: str
+    x: float
+    y: float
+    yaw: float  # degrees, a multiple of 90
+    footprint: tuple[float, float, float, float]  # xmin, ymin, xmax, ymax on the floor
+
+    @property
+    def description(self) -> str:
+        return f"{self.colour} {self.kind}"
+
+
+@dataclass(frozen=True)
+class Level:
+    """One navigation level as plain data (metres, degrees)."""
+
+    seed: int
+    width: float  # interior x extent; the floor is [0, width] x [0, depth]
+    depth: float
+    walls: tuple[tuple[float, float, float, float], ...]  # rectangles, outer walls included
+    doors: tuple[tuple[float, float], ...]  # doorway centres
+    objects: tuple[NavObject, ...]
+    target: int  # index into objects
+    start: tuple[float, float, float]  # x, y, yaw
+
+    @property
+    def instruction(self) -> str:
+        return f"Navigate to the {self.objects[self.target].description}."
+
+    def obstacles(self) -> np.ndarray:
+        """[N, 4] rectangles (xmin, ymin, xmax, ymax) the agent may not touch."""
+        return np.array(list(self.walls) + [o.footprint for o in self.objects], dtype=np.float64)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for obj, d in zip(self.objects, out["objects"]):
+            d["description"] = obj.description
+        out["instruction"] = self.instruction
+        return out
+
+
+def rect_distance(px, py, rects: np.ndarray) -> np.ndarray:
+    """Distance from points (px, py) [...] to each rectangle [N, 4] -> [..., N]; 0 inside."""
+    px, py = np.asarray(px, dtype=np.float64)[..., None], np.asarray(py, dtype=np.float64)[..., None]
+    dx = np.maximum(np.maximum(rects[:, 0] - px, px - rects[:, 2]), 0.0)
+    dy = np.maximum(np.maximum(rects[:, 1] - py, py - rects[:, 3]), 0.0)
+    return np.hypot(dx, dy)
+
+
+def points_free(level: Level, px, py, obstacles: np.ndarray, radius: float = AGENT_RADIUS) -> np.ndarray:
+    """Whether a disc of `radius` at each point stays inside the floor and touches nothing."""
+    px, py = np.asarray(px, dtype=np.float64), np.asarray(py, dtype=np.float64)
+    inside = (px >= radius - 1e-9) & (px <= level.width - radius + 1e-9)
+    inside &= (py >= radius - 1e-9) & (py <= level.depth - radius + 1e-9)
+    return inside & (rect_distance(px, py, obstacles) >= radius - 1e-9).all(-1)
+
+
+def segments_free(level: Level, starts: np.ndarray, ends: np.ndarray, obstacles: np.ndarray) -> np.ndarray:
+    """Whether the agent can move straight from each start [E, 2] to each end [E, 2]: both ends and
+    samples every SAMPLE_SPACING metres in between are free."""
+    starts, ends = np.asarray(starts, dtype=np.float64), np.asarray(ends, dtype=np.float64)
+    length = float(np.max(np.hypot(*(ends - starts).T), initial=0.0))
+    t = np.linspace(0.0, 1.0, max(1, math.ceil(length / SAMPLE_SPACING - 1e-9)) + 1)
+    pts = starts[:, None, :] + t[None, :, None] * (ends - starts)[:, None, :]
+    return points_free(level, pts[..., 0], pts[..., 1], obstacles).all(-1)
+
+
+def target_distance(level: Level, x: float, y: float) -> float:
+    return float(rect_distance(x, y, np.array([level.objects[level.target].footprint]))[0])
+
+
+@dataclass
+class Lattice:
+    """Positions `step` apart anchored at `origin`, with free cells and free moves along the axes."""
+
+    xs: np.ndarray  # [nx] x coordinates
+    ys: np.ndarray  # [ny]
+    free: np.ndarray  # [nx, ny] bool
+    moves: dict[tuple[int, int], np.ndarray]  # (di, dj) -> [nx, ny] bool: the move from (i, j) is free
+
+    def index(self, x: float, y: float) -> tuple[int, int] | None:
+        i, j = np.flatnonzero(np.isclose(self.xs, x, atol=1e-6)), np.flatnonzero(np.isclose(self.ys, y, atol=1e-6))
+        return (int(i[0]), int(j[0])) if len(i) and len(j) else None
+
+
+def build_lattice(level: Level, origin: tuple[float, float], step: float) -> Lattice:
+    obstacles = level.obstacles()
+
+    def axis(o: float, extent: float) -> np.ndarray:
+        lo = math.ceil((AGENT_RADIUS - o) / step - 1e-9)
+        hi = math.floor((extent - AGENT_RADIUS - o) / step + 1e-9)
+        return np.round(o + step * np.arange(lo, hi + 1), 9)
+
+    xs, ys = axis(origin[0], level.width), axis(origin[1], level.depth)
+    gx, gy = np.meshgrid(xs, ys, indexing="ij")
+    free = points_free(level, gx, gy, obstacles)
+    moves = {}
+    for di, dj in ((1, 0), (-1, 0), (0, 1), (0, -1)):
+        ok = np.zeros_like(free)
+        src = (slice(max(0, -di), len(xs) - max(0, di)), slice(max(0, -dj), len(ys) - max(0, dj)))
+        dst = (slice(max(0, di), len(xs) - max(0, -di)), slice(max(0, dj), len(ys) - max(0, -dj)))
+        both = free[src] & free[dst]
+        starts = np.stack([gx[src][both], gy[src][both]], -1)
+        # ends computed the way the dynamics compute them, so planner and env agree to the bit
+        ends = np.round(starts + step * np.array([di, dj], dtype=np.float64), 9)
+        sub = ok[src]
+        sub[both] = segments_free(level, starts, ends, obstacles)
+        ok[src] = sub
+        moves[(di, dj)] = ok
+    return Lattice(xs, ys, free, moves)
+
+
+def grid_distances(lattice: Lattice, goal: np.ndarray) -> np.ndarray:
+    """Fewest axis moves from every cell to a goal cell ([nx, ny] bool); -1 where unreachable."""
+    dist = np.full(lattice.free.shape, -1, dtype=np.int64)
+    queue = deque()
+    for i, j in zip(*np.nonzero(goal & lattice.free)):
+        dist[i, j] = 0
+        queue.append((int(i), int(j)))
+    while queue:
+        i, j = queue.popleft()
+        for (di, dj), ok in lattice.moves.items():
+            ni, nj = i - di, j - dj  # a move (di, dj) from (ni, nj) arrives here
+            if 0 <= ni < dist.shape[0] and 0 <= nj < dist.shape[1] and dist[ni, nj] < 0 and ok[ni, nj]:
+                dist[ni, nj] = dist[i, j] + 1
+                queue.append((ni, nj))
+    return dist
+
+
+def _goal_cells(level: Level, lattice: Lattice, success_distance: float) -> np.ndarray:
+    gx, gy = np.meshgrid(lattice.xs, lattice.ys, indexing="ij")
+    target = np.array([level.objects[level.target].footprint])
+    return rect_distance(gx, gy, target)[..., 0] <= success_distance + 1e-9
+
+
+def _rect_gap(a, b) -> float:
+    dx = max(b[0] - a[2], a[0] - b[2], 0.0)
+    dy = max(b[1] - a[3], a[1] - b[3], 0.0)
+    return math.hypot(dx, dy)
+
+
+def _try_level(rng: np.random.Generator, seed: int, num_objects: int, max_rooms: int, step: float,
+               success_distance: float, max_steps: int) -> Level | None:
+    nx = max(4, round(int(rng.integers(4, 9)) / step))
+    ny = max(4, round(int(rng.integers(4, 7)) / step))
+    width, depth = round(nx * step, 9), round(ny * step, 9)
+    t = WALL_THICKNESS
+    walls = [(-t, -t, width + t, 0.0), (-t, depth, width + t, depth + t), (-t, 0.0, 0.0, depth),
+             (width, 0.0, width + t, depth)]
+    # internal walls sit on cell boundaries, doorways are centred on a row of positions
+    num_rooms = int(rng.integers(1, max_rooms + 1))
+    splits: list[float] = []
+    for _ in range(20):
+        if num_rooms == 1:
+            break
+        cand = sorted(round(float(k) * step, 9) for k in rng.choice(np.arange(1, nx), num_rooms - 1, replace=False))
+        bounds = [0.0, *cand, width]
+        if min(b - a for a, b in zip(bounds, bounds[1:])) >= MIN_ROOM_WIDTH:
+            splits = cand
+            break
+    rows = [round((j + 0.5) * step, 9) for j in range(ny)]
+    rows = [y for y in rows if DOOR_WIDTH <= y <= depth - DOOR_WIDTH]
+    doors = []
+    for x in splits:
+        if not rows:
+            return None
+        y = float(rng.choice(rows))
+        doors.append((x, y))
+        walls.append((x - t / 2, 0.0, x + t / 2, round(y - DOOR_WIDTH / 2, 9)))
+        walls.append((x - t / 2, round(y + DOOR_WIDTH / 2, 9), x + t / 2, depth))
+    rooms = list(zip([0.0, *splits], [*splits, width]))
+
+    pairs = [(k, c) for k in OBJECT_KINDS for c in COLOURS]
+    chosen: list[tuple[str, str]] = []
+    while len(chosen) < num_objects:
+        kind, colour = pairs[int(rng.integers(len(pairs)))]
+        if (kind, colour) not in chosen and sum(k == kind for k, _ in chosen) < MAX_PER_KIND:
+            chosen.append((kind, colour))
+    objects: list[NavObject] = []
+    for kind, colour in chosen:
+        for _ in range(60):
+            x0, x1 = rooms[int(rng.integers(len(rooms)))]
+            yaw = 90.0 * int(rng.integers(4))
+            x = round(float(rng.uniform(x0, x1)), 3)
+            y = round(float(rng.uniform(0.0, depth)), 3)
+            rect = footprint(kind, x, y, yaw)
+            inside = rect[0] >= x0 + 0.1 and rect[2] <= x1 - 0.1 and rect[1] >= 0.05 and rect[3] <= depth - 0.05
+            if not inside or any(_rect_gap(rect, o.footprint) < 0.45 for o in objects):
+                continue
+            if any(_rect_gap(rect, (dx, dy, dx, dy)) < 1.0 for dx, dy in doors):
+                continue
+            objects.append(NavObject(kind, colour, x, y, yaw, rect))
+            break
+        else:
+            return None
+    target = int(rng.integers(len(objects)))
+    level = Level(seed, width, depth, tuple(walls), tuple(doors), tuple(objects), target, (0.0, 0.0, 0.0))
+    lattice = build_lattice(level, (step / 2, step / 2), step)
+    dist = grid_distances(lattice, _goal_cells(level, lattice, success_distance))
+    starts = np.argwhere((dist >= 3) & (dist <= max_steps))
+    if len(starts) == 0:
+        return None
+    i, j = starts[int(rng.integers(len(starts)))]
+    # face a direction with at least two free steps, so that the first view is not a wall up close
+    headings = [h for h, (di, dj) in enumerate(((1, 0), (0, 1), (-1, 0), (0, -1)))
+                if lattice.moves[(di, dj)][i, j] and 0 <= i + di < len(lattice.xs) and 0 <= j + dj < len(lattice.ys)
+                and lattice.moves[(di, dj)][i + di, j + dj]]
+    heading = headings[int(rng.integers(len(headings)))] if headings else int(rng.integers(4))
+    start = (float(lattice.xs[i]), float(lattice.ys[j]), 90.0 * heading)
+    return Level(seed, width, depth, tuple(walls), tuple(doors), tuple(objects), target, start)
+
+
+def generate_level(seed: int, num_objects: int = 6, max_rooms: int = 2, step_length: float = 0.5,
+                   success_distance: float = 1.0, max_steps: int = 30) -> Level:
+    """The level for `seed`: a pure function of its arguments (`np.random.default_rng(seed)`).
+
+    The floor is 4-8 m by 4-6 m, split into 1 to `max_rooms` rooms (each at least 2.5 m wide)
+    joined by 1 m doorways; `num_objects` objects with unique (colour, shape) pairs, at most two
+    of one shape; the start is at least 3 moves and at most `max_steps` moves from the target and
+    faces a direction with two free steps when there is one.
+    """
+    if not 1 <= num_objects <= len(OBJECT_KINDS) * MAX_PER_KIND:
+        raise ValueError(f"num_objects must be in 1..{len(OBJECT_KINDS) * MAX_PER_KIND}, got {num_objects}")
+    if not 1 <= max_rooms <= 3:
+        raise ValueError(f"max_rooms must be 1, 2 or 3 (rooms are at least {MIN_ROOM_WIDTH} m wide on a "
+                         f"floor at most 8 m wide), got {max_rooms}")
+    if not 2 * AGENT_RADIUS < step_length <= 1.0:
+        raise ValueError(f"step_length must be in ({2 * AGENT_RADIUS}, 1.0] metres, got {step_length}")
+    rng = np.random.default_rng(seed)
+    for _ in range(500):
+        level = _try_level(rng, int(seed), int(num_objects), int(max_rooms), float(step_length),
+                           float(success_distance), int(max_steps))
+        if level is not None:
+            return level
+    raise RuntimeError(
+        f"no solvable level for seed {seed} with num_objects={num_objects}, max_steps={max_steps}, "
+        f"success_distance={success_distance} after 500 tries; use fewer objects or more steps"
+    )
+
+
+# -- environment ---------------------------------------------------------------------------------
+def _compass(yaw: float) -> str:
+    names = ["east", "north-east", "north", "north-west", "west", "south-west", "south", "south-east"]
+    k = yaw / 45.0
+    return names[round(k) % 8] if abs(k - round(k)) < 1e-6 else f"{yaw:g} degrees counter-clockwise from east"
+
+
+def _positive(name: str, value, upper: float | None = None) -> float:
+    value = float(value)
+    if not value > 0 or (upper is not None and value > upper):
+        bound = f" and at most {upper:g}" if upper is not None else ""
+        raise ValueError(f"{name} must be > 0{bound}, got {value}")
+    return value
+
+
+class NavigationEnv(TextActionEnv):
+    """Navigate to a described object in rooms rendered by MuJoCo. See the module docstring."""
+
+    name = "navigation"
+    action_names = ("moveahead", "moveback", "moveleft", "moveright", "rotateleft", "rotateright", "lookup",
+                    "lookdown")
+    example_answer = "moveahead, moveahead, rotateleft"
+
+    def __init__(
+        self,
+        prompt_format: str = "free_think",
+        render_mode: str = "vision",
+        max_actions_per_turn: int = 5,
+        max_steps: int = 30,
+        format_reward: float = 0.5,
+        format_penalty: float = 0.0,
+        step_length: float = 0.5,
+        rotate_degrees: float = 90.0,
+        look_degrees: float = 30.0,
+        success_distance: float = 1.0,
+        success_reward: float = 10.0,
+        num_objects: int = 6,
+        max_rooms: int = 2,
+        image_width: int = 128,
+        image_height: int = 128,
+        fov: float = 90.0,
+        eye_height: float = 1.5,
+    ):
+        super().__init__(prompt_format, render_mode, max_actions_per_turn, max_steps, format_reward, format_penalty)
+        self.step_length = _positive("step_length", step_length, 1.0)
+        self.rotate_degrees = _positive("rotate_degrees", rotate_degrees, 180.0)
+        self.look_degrees = _positive("look_degrees", look_degrees, MAX_PITCH)
+        self.success_distance = _positive("success_distance", success_distance)
+        self.success_reward = float(success_reward)
+        self.num_objects, self.max_rooms = int(num_objects), int(max_rooms)
+        self.fov = _positive("fov", fov, 170.0)
+        self.eye_height = _positive("eye_height", eye_height, WALL_HEIGHT - 0.05)
+        self.image_width, self.image_height = int(image_width), int(image_height)
+        if not (16 <= self.image_width <= 2048 and 16 <= self.image_height <= 2048):
+            raise ValueError(f"image size must be 16..2048 pixels a side, got {image_width}x{image_height}")
+        generate_level(0, self.num_objects, self.max_rooms, self.step_length, self.success_distance,
+                       self.max_steps)  # fail at construction, not at the first reset, on bad parameters
+        self.level: Level | None = None
+        self.x = self.y = self.yaw = self.pitch = 0.0
+        self.path: list[tuple[float, float]] = []
+        self._turn_log: list[tuple[str, bool]] = []
+        self._scene: NavigationScene | None = None
+        self._scene_level: Level | None = None
+        self._frame: tuple[tuple, np.ndarray] | None = None
+        self._obstacles = np.zeros((0, 4))
+        self._lattices: dict[tuple, Lattice] = {}
+
+    # -- hooks of TextActionEnv -------------------------------------------------------------------
+    def reset(self, seed: int | None = None):
+        obs, info = super().reset(seed)
+        info.update(self._step_info())
+        return obs, info
+
+    def _reset(self, seed: int) -> None:
+        self.level = generate_level(seed, self.num_objects, self.max_rooms, self.step_length,
+                                    self.success_distance, self.max_steps)
+        self._obstacles = self.level.obstacles()
+        self._lattices = {}
+        self.x, self.y, self.yaw = self.level.start
+        self.pitch = 0.0
+        self.path = [(self.x, self.y)]
+        self._turn_log = []
+
+    def _apply(self, action: str) -> tuple[float, bool]:
+        effective = True
+        if action in MOVES:
+            angle = math.radians(self.yaw + MOVES[action])
+            dx, dy = round(math.cos(angle), 12) * self.step_length, round(math.sin(angle), 12) * self.step_length
+            nx, ny = round(self.x + dx, 9), round(self.y + dy, 9)
+            if segments_free(self.level, np.array([[self.x, self.y]]), np.array([[nx, ny]]), self._obstacles)[0]:
+                self.x, self.y = nx, ny
+                self.path.append((nx, ny))
+            else:
+                effective = False
+        elif action in ROTATIONS:
+            self.yaw = round((self.yaw + ROTATIONS[action] * self.rotate_degrees) % 360.0, 9) % 360.0
+        else:
+            pitch = round(self.pitch + LOOKS[action] * self.look_degrees, 9)
+            effective = abs(pitch) <= MAX_PITCH + 1e-9
+            self.pitch = pitch if effective else self.pitch
+        self._turn_log.append((action, effective))
+        return (self.success_reward if effective and self._success() else 0.0), effective
+
+    def _success(self) -> bool:
+        return self.level is not None and self.distance() <= self.success_distance + 1e-9
+
+    def _step_info(self) -> dict[str, Any]:
+        return {
+            "distance": round(self.distance(), 4),
+            "pose": self.pose(),
+            "target": self.level.objects[self.level.target].description,
+            "blocked": sum(1 for a, ok in self._turn_log if a in MOVES and not ok),
+        }
+
+    def _initial_prompt(self) -> str:
+        return f"{self.level.instruction}\nCurrent observation:"
+
+    def _turn_prompt(self, info: dict[str, Any]) -> str:
+        done = ", ".join(f"{a} (blocked)" if a in MOVES and not ok else a for a, ok in self._turn_log) or "none"
+        self._turn_log = []
+        warning = ("" if info["format_ok"] else
+                   "Your response did not follow the required format or named an invalid action. ")
+        return f"{warning}Executed actions: {done}.\n{self.level.instruction}\nCurrent observation:"
+
+    def _example_fields(self) -> dict[str, str]:
+        return {
+            "observation": "A red table is ahead on the left, about 2 m away; a wall is close on my right.",
+            "reasoning": "The red table is ahead-left, so I move ahead twice and turn left to face it.",
+            "prediction": "The red table will be in the middle of my view, about 1 m away.",
+        }
+
+    def _task_prompt(self) -> str:
+        view = ("Each observation is the picture from your camera." if self.render_mode == "vision" else
+                "Each observation describes your heading, the free steps around you and the objects in view "
+                "with distance and direction (degrees to your left or right).")
+        return "\n".join([
+            "You are a robot in a home with one or more rooms joined by doorways. Your task looks like "
+            f"'Navigate to the red table.': move until you are within {self.success_distance:g} m of that "
+            "object. " + view,
+            f"Objects are {', '.join(OBJECT_KINDS)}; colours are {', '.join(COLOURS)}.",
+            "Actions:",
+            f"- moveahead, moveback, moveleft, moveright: step {self.step_length:g} m forward, backward, left "
+            "or right without turning; walls and furniture block a step.",
+            f"- rotateleft, rotateright: turn {self.rotate_degrees:g} degrees left or right in place.",
+            f"- lookup, lookdown: tilt the camera {self.look_degrees:g} degrees (at most {MAX_PITCH:g} either "
+            "way).",
+            f"Reward: {self.success_reward:g} for reaching the object. The episode ends after {self.max_steps} "
+            "actions.",
+        ])
+
+    # -- plain-data views -----------------------------------------------------------------------
+    def distance(self) -> float:
+        """Metres from the camera to the closest point of the target's footprint."""
+        return target_distance(self.level, self.x, self.y)
+
+    def pose(self) -> dict[str, float]:
+        return {"x": self.x, "y": self.y, "yaw": self.yaw, "pitch": self.pitch}
+
+    def state(self) -> dict[str, Any]:
+        """The level and the agent as plain data (JSON-serialisable)."""
+        self._require_reset("state")
+        level = self.level.to_dict()
+        return {
+            "seed": self.seed,
+            "instruction": level["instruction"],
+            "room": {"width": level["width"], "depth": level["depth"], "wall_height": WALL_HEIGHT},
+            "walls": [list(w) for w in level["walls"]],
+            "doors": [list(d) for d in level["doors"]],
+            "objects": [{**o, "footprint": list(o["footprint"])} for o in level["objects"]],
+            "target": level["target"],
+            "agent": self.pose(),
+            "start": list(level["start"]),
+            "distance": self.distance(),
+            "path": [list(p) for p in self.path],
+            "steps": self.steps,
+            "done": self.done,
+        }
+
+    def set_pose(self, x: float, y: float, yaw: float | None = None, pitch: float | None = None) -> None:
+        """Put the agent at (x, y) (for tests and scripted views); raises if the pose collides."""
+        self._require_reset("set_pose")
+        x, y = round(float(x), 9), round(float(y), 9)
+        if not points_free(self.level, x, y, self._obstacles):
+            raise ValueError(f"pose ({x}, {y}) touches a wall or an object (agent radius {AGENT_RADIUS} m); "
+                             "pick a free point, e.g. from state()['start']")
+        self.x, self.y = x, y
+        self.yaw = self.yaw if yaw is None else float(yaw) % 360.0
+        self.pitch = self.pitch if pitch is None else float(np.clip(pitch, -MAX_PITCH, MAX_PITCH))
+        self.path.append((x, y))
+
+    def _require_reset(self, what: str) -> None:
+        if self.level is None:
+            raise RuntimeError(f"{self.name}: call reset(seed=...) before {what}()")
+
+    # -- planner --------------------------------------------------------------------------------
+    def solve(self) -> list[str]:
+        """A shortest list of actions from the current pose to success ([] when already there or done).
+
+        Breadth-first search over (grid position, heading): positions `step_length` apart anchored at
+        the agent, moves only along the room's axes, rotations as actions. Shortest overall when
+        `rotate_degrees` is a multiple of 90."""
+        self._require_reset("solve")
+        if self.done or self._success():
+            return []
+        s = self.step_length
+        key = (round(self.x % s, 6), round(self.y % s, 6))
+        if key not in self._lattices:
+            self._lattices[key] = build_lattice(self.level, (self.x, self.y), s)
+        lattice = self._lattices[key]
+        goal = _goal_cells(self.level, lattice, self.success_distance)
+        start = lattice.index(self.x, self.y)
+        if start is None:
+            raise RuntimeError(f"agent at ({self.x}, {self.y}) is not on its own lattice; this is a bug")
+        start_state = (*start, round(self.yaw % 360.0, 6))
+        parents: dict[tuple, tuple | None] = {start_state: None}
+        queue = deque([start_state])
+        while queue:
+            state = queue.popleft()
+            i, j, yaw = state
+            if goal[i, j]:
+                actions = []
+                while parents[state] is not None:
+                    state, action = parents[state]
+                    actions.append(action)
+                return actions[::-1]
+            for action in self.action_names[:6]:
+                if action in ROTATIONS:
+                    nxt = (i, j, round((yaw + ROTATIONS[action] * self.rotate_degrees) % 360.0, 6) % 360.0)
+                else:
+                    angle = math.radians(yaw + MOVES[action])
+                    di, dj = round(math.cos(angle), 12), round(math.sin(angle), 12)
+                    if (abs(di), abs(dj)) not in ((1.0, 0.0), (0.0, 1.0)) or not lattice.moves[(int(di), int(dj))][i, j]:
+                        continue
+                    nxt = (i + int(di), j + int(dj), yaw)
+                if nxt not in parents:
+                    parents[nxt] = (state, action)
+                    queue.append(nxt)
+        raise RuntimeError(f"no path to the target from ({self.x}, {self.y}) in level {self.seed}; "
+                           "generate_level guarantees one from the start, so the agent has walled itself "
+                           "off (impossible with the built-in actions) or this is a bug")
+
+    # -- renders --------------------------------------------------------------------------------
+    def render_frame(self) -> np.ndarray:
+        """First-person RGB frame [image_height, image_width, 3] uint8 (cached per pose)."""
+        self._require_reset("render_frame")
+        key = (self.level.seed, id(self.level), self.x, self.y, self.yaw, self.pitch)
+        if self._frame is not None and self._frame[0] == key:
+            return self._frame[1]
+        if self._scene is None:
+            num_walls = 4 + 2 * (self.max_rooms - 1)
+            self._scene = NavigationScene(num_walls, self.image_width, self.image_height, self.fov, self.eye_height)
+        if self._scene_level is not self.level:
+            objects = [{"kind": o.kind, "colour": o.colour, "x": o.x, "y": o.y, "yaw": o.yaw}
+                       for o in self.level.objects]
+            self._scene.load(self.level.width, self.level.depth, self.level.walls, objects)
+            self._scene_level = self.level
+        frame = self._scene.render(self.x, self.y, self.yaw, self.pitch)
+        self._frame = (key, frame)
+        return frame
+
+    def render_image(self) -> Image.Image:
+        return Image.fromarray(self.render_frame())
+
+    def visible_objects(self) -> list[dict[str, Any]]:
+        """Objects whose centre lies in the horizontal field of view and not behind a wall, nearest
+        first: description, distance (m, to the footprint), bearing (degrees, positive = left)."""
+        self._require_reset("visible_objects")
+        half_fov = math.degrees(math.atan(math.tan(math.radians(self.fov) / 2) * self.image_width
+                                          / self.image_height))
+        walls = np.array(self.level.walls[4:] or np.zeros((0, 4)))  # inner walls (the first 4 are outer)
+        out = []
+        for obj in self.level.objects:
+            cx, cy = (obj.footprint[0] + obj.footprint[2]) / 2, (obj.footprint[1] + obj.footprint[3]) / 2
+            bearing = (math.degrees(math.atan2(cy - self.y, cx - self.x)) - self.yaw + 180.0) % 360.0 - 180.0
+            if abs(bearing) > half_fov or _segment_hits_rects(self.x, self.y, cx, cy, walls):
+                continue
+            dist = float(rect_distance(self.x, self.y, np.array([obj.footprint]))[0])
+            out.append({"description": obj.description, "distance": round(dist, 2), "bearing": round(bearing, 1)})
+        return sorted(out, key=lambda o: o["distance"])
+
+    def free_steps(self, limit: int = 20) -> dict[str, int]:
+        """How many steps each move could take in a row from here (up to `limit`)."""
+        self._require_reset("free_steps")
+        out = {}
+        n = max(1, round(self.step_length / SAMPLE_SPACING))
+        t = np.arange(1, limit * n + 1) * (self.step_length / n)
+        for action, offset in MOVES.items():
+            angle = math.radians(self.yaw + offset)
+            ok = points_free(self.level, self.x + t * math.cos(angle), self.y + t * math.sin(angle),
+                             self._obstacles)
+            blocked = np.flatnonzero(~ok)
+            free = blocked[0] if len(blocked) else len(t)
+            out[action.removeprefix("move")] = int(free // n)
+        return out
+
+    def render_text(self) -> str:
+        self._require_reset("render_text")
+        look = ("level" if abs(self.pitch) < 1e-9 else
+                f"{abs(self.pitch):g} degrees {'up' if self.pitch > 0 else 'down'}")
+        steps = self.free_steps()
+        lines = [
+            f"You face {_compass(self.yaw)}, camera tilted {look}.",
+            "Free steps: " + ", ".join(f"{k} {v}" for k, v in steps.items()) + ".",
+        ]
+        seen = self.visible_objects()
+        if not seen:
+            lines.append("No objects in view.")
+        else:
+            lines.append("Objects in view:")
+            for obj in seen:
+                b = obj["bearing"]
+                where = "straight ahead" if abs(b) < 5 else f"{abs(b):.0f} degrees to your {'left' if b > 0 else 'right'}"
+                lines.append(f"- the {obj['description']}: {obj['distance']:.1f} m away, {where}")
+        return "\n".join(lines)
+
+    def render_topdown(self, size: int = 256) -> Image.Image:
+        """Map of the level seen from above (north up): walls, objects in their colours, the target
+        ringed in black, the start as a small square, the path and the agent with its heading."""
+        self._require_reset("render_topdown")
+        level, margin = self.level, 0.3
+        scale = size / (max(level.width, level.depth) + 2 * margin)
+        w, h = round((level.width + 2 * margin) * scale), round((level.depth + 2 * margin) * scale)
+
+        def px(x: float, y: float) -> tuple[float, float]:
+            return ((x + margin) * scale, h - (y + margin) * scale)
+
+        def box(rect) -> list[float]:
+            (x0, y1), (x1, y0) = px(rect[0], rect[1]), px(rect[2], rect[3])
+            return [x0, y0, x1, y1]
+
+        rgb = lambda c: tuple(int(255 * v) for v in c)  # noqa: E731
+        img = Image.new("RGB", (w, h), (40, 40, 40))
+        draw = ImageDraw.Draw(img)
+        draw.rectangle(box((0, 0, level.width, level.depth)), fill=rgb(FLOOR_RGB))
+        for wall in level.walls:
+            draw.rectangle(box(wall), fill=rgb(WALL_RGB))
+        for k, obj in enumerate(level.objects):
+            shape = draw.ellipse if obj.kind in ROUND_OBJECTS else draw.rectangle
+            outline, width = ((0, 0, 0), max(2, size // 100)) if k == level.target else (None, 1)
+            shape(box(obj.footprint), fill=rgb(COLOURS[obj.colour]), outline=outline, width=width)
+        sx, sy = px(*level.start[:2])
+        draw.rectangle([sx - 3, sy - 3, sx + 3, sy + 3], outline=(255, 255, 255))
+        if len(self.path) > 1:
+            draw.line([px(*p) for p in self.path], fill=(255, 255, 255), width=max(1, size // 128))
+        ax, ay = px(self.x, self.y)
+        r = AGENT_RADIUS * scale
+        draw.ellipse([ax - r, ay - r, ax + r, ay + r], fill=(20, 20, 20))
+        yaw = math.radians(self.yaw)
+        draw.line([(ax, ay), (ax + 2 * r * math.cos(yaw), ay - 2 * r * math.sin(yaw))], fill=(255, 255, 255),
+                  width=max(1, size // 128))
+        return img
+
+    def render_video_frame(self, with_topdown: bool = True, size: int = 256) -> Image.Image:
+        """The first-person frame scaled to `size` pixels high, with the top-down map beside it."""
+        frame = self.render_image()
+        frame = frame.resize((round(size * frame.width / frame.height), size), Image.NEAREST)
+        if not with_topdown:
+            return frame
+        topdown = self.render_topdown(size)
+        out = Image.new("RGB", (frame.width + topdown.width, max(size, topdown.height)), (0, 0, 0))
+        out.paste(frame, (0, 0))
+        out.paste(topdown, (frame.width, 0))
+        return out
+
+    def close(self) -> None:
+        """Free the renderer (its GL context); the env can render again after, at the cost of a new one."""
+        if self._scene is not None:
+            self._scene.close()
+        self._scene = self._scene_level = self._frame = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown: nothing left to free)
+            pass
+
+
+def _segment_hits_rects(x0: float, y0: float, x1: float, y1: float, rects: np.ndarray) -> bool:
+    """Whether the segment (x0, y0)-(x1, y1) passes through any rectangle (slab test)."""
+    if len(rects) == 0:
+        return False
+    d = np.array([x1 - x0, y1 - y0])
+    lo, hi = np.zeros(len(rects)), np.ones(len(rects))
+    for axis, origin in ((0, x0), (1, y0)):
+        rmin, rmax = rects[:, axis], rects[:, axis + 2]
+        if abs(d[axis]) < 1e-12:
+            outside = (origin < rmin) | (origin > rmax)
+            hi = np.where(outside, -1.0, hi)
+            continue
+        t0, t1 = (rmin - origin) / d[axis], (rmax - origin) / d[axis]
+        lo, hi = np.maximum(lo, np.minimum(t0, t1)), np.minimum(hi, np.maximum(t0, t1))
+    return bool(np.any(lo <= hi))
