@@ -28,3 +28,35 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory):
+    """Built-in tiny models are built once per test session, offline, into a temporary cache."""
+    return str(tmp_path_factory.mktemp("vagen_models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vl(model_cache):
+    from vagen.models import load_policy, resolve_model_path
+
+    path = resolve_model_path("builtin:tiny-vl", model_cache, seed=0)
+    model, processor = load_policy(path)
+    return path, model, processor
+
+
+@pytest.fixture(scope="session")
+def tiny_text(model_cache):
+    from vagen.models import load_policy, resolve_model_path
+
+    path = resolve_model_path("builtin:tiny-text", model_cache, seed=0)
+    model, processor = load_policy(path)
+    return path, model, processor
+
+
+@pytest.fixture(scope="session")
+def distributed():
+    """A process group of one (gloo on CPU) so that real DeepSpeed engines can be built in tests."""
+    from vagen.train import init_distributed
+
+    return init_distributed()

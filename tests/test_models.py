@@ -1,0 +1,60 @@
+import json
+
+import pytest
+import torch
+
+from vagen.models import BUILTINS, ValueModel, is_vision_checkpoint, load_policy, resolve_model_path
+
+
+def test_tiny_vl_is_a_real_qwen2_5_vl_that_loads_through_auto_classes(tiny_vl):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path, model, processor = tiny_vl
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 0.5e6 < n_params < 5e6, n_params
+    reloaded = AutoModelForImageTextToText.from_pretrained(path)
+    assert type(AutoProcessor.from_pretrained(path)).__name__ == "Qwen2_5_VLProcessor"
+    for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    text = model.config.text_config
+    head_dim = text.hidden_size // text.num_attention_heads
+    assert sum(text.rope_parameters["mrope_section"]) == head_dim // 2
+    tok = processor.tokenizer
+    for special in ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|endoftext|>"):
+        assert len(tok.tokenize(special)) == 1, special
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+
+
+def test_builtins_are_cached_and_deterministic(model_cache, tmp_path):
+    first = resolve_model_path("builtin:tiny-text", model_cache, seed=0)
+    assert resolve_model_path("builtin:tiny-text", model_cache, seed=0) == first  # cached, not rebuilt
+    other = resolve_model_path("builtin:tiny-text", str(tmp_path), seed=0)
+    a, _ = load_policy(first)
+    b, _ = load_policy(other)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+    assert json.loads((first / "vagen_builtin.json").read_text())["name"] == "builtin:tiny-text"
+    assert not is_vision_checkpoint(first)
+
+
+def test_model_path_errors_say_how_to_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"not a local checkpoint directory.*pass its directory"):
+        resolve_model_path(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"unknown built-in model 'builtin:huge'; choices: " + ", ".join(BUILTINS)):
+        resolve_model_path("builtin:huge")
+
+
+def test_value_model_starts_at_zero_and_round_trips(tiny_text, tmp_path):
+    _, model, processor = tiny_text
+    critic = ValueModel(model)
+    ids = torch.tensor([processor.encode("<answer>Left</answer>")])
+    values = critic(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert values.shape == ids.shape
+    assert torch.all(values == 0)  # zero-initialised head: no value bias before training
+    with torch.no_grad():
+        critic.value_head.bias.fill_(0.5)
+    critic.save(tmp_path / "critic")
+    again = ValueModel(load_policy(resolve_model_path("builtin:tiny-text", str(tmp_path / "m"), seed=1))[0])
+    again.load(tmp_path / "critic")
+    assert torch.allclose(again(input_ids=ids)[:, 1:], torch.full((1, ids.shape[1] - 1), 0.5))

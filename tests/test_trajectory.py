@@ -1,0 +1,129 @@
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vagen.rollout import ChatEncoder, Episode, Turn
+from vagen.trajectory import collate, episode_to_sample
+
+
+def _frame(seed):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (56, 84, 3), dtype=np.uint8))
+
+
+def _two_turn_episode(encoder):
+    """System + observation with an image, two answers, built the way the rollout builds them."""
+    episode = Episode("sokoban", seed=3, group_id=0, system_prompt="Push the box.")
+    responses = ["<think>box left</think><answer>Left</answer>", "<think>done</think><answer>Up, Up</answer>"]
+    rewards = [0.4, 10.5]
+    frames = [_frame(0), _frame(1)]
+    for turn, (response, reward, frame) in enumerate(zip(responses, rewards, frames)):
+        ids, pixel_values, grids = encoder.user_segment("Observation:\n<image>", [frame], first=turn == 0,
+                                                        system=episode.system_prompt)
+        episode.input_ids += ids
+        episode.pixel_values += pixel_values
+        episode.image_grid_thw += grids
+        generated, text = encoder.finish_response(encoder.encode_text(response))
+        start = len(episode.input_ids)
+        episode.input_ids += generated
+        episode.turns.append(Turn("Observation:\n<image>", [frame], text, reward, {}, (start, len(episode.input_ids)),
+                                  len(generated)))
+    return episode, responses, rewards, frames
+
+
+def test_sequence_equals_the_chat_template_over_all_turns_with_expanded_images(tiny_vl):
+    _, model, processor = tiny_vl
+    encoder = ChatEncoder(processor)
+    episode, responses, _, frames = _two_turn_episode(encoder)
+    messages = [{"role": "system", "content": "Push the box."}]
+    for response in responses:
+        messages.append({"role": "user", "content": [{"type": "text", "text": "Observation:\n"}, {"type": "image"}]})
+        messages.append({"role": "assistant", "content": response})
+    text = processor.apply_chat_template(messages, tokenize=False).rstrip("\n")
+    reference = processor(text=[text], images=frames, return_tensors="pt")
+    assert episode.input_ids == reference["input_ids"][0].tolist()
+    assert torch.equal(torch.cat(episode.pixel_values), reference["pixel_values"])
+    # 56x84 pixels -> 2x3 merged patches = 6 image tokens per frame
+    assert episode.input_ids.count(encoder.image_pad_id) == 12
+
+
+def test_masks_at_exact_positions(tiny_vl):
+    _, model, processor = tiny_vl
+    encoder = ChatEncoder(processor)
+    tok = processor.tokenizer
+    episode, responses, rewards, _ = _two_turn_episode(encoder)
+    sample = episode_to_sample(episode, encoder, model)
+    ids = sample.input_ids.tolist()
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    # the assistant turns start after "<|im_start|>assistant\n" and end at their <|im_end|>
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    starts = [i + len(header) for i in range(len(ids)) if ids[i : i + len(header)] == header]
+    ends = [ids.index(im_end, s) for s in starts]
+    expected_loss = torch.zeros(len(ids))
+    expected_turn_end = torch.zeros(len(ids))
+    expected_rewards = torch.zeros(len(ids))
+    for s, e, r in zip(starts, ends, rewards):
+        expected_loss[s : e + 1] = 1
+        expected_turn_end[e] = 1
+        expected_rewards[e] = r
+    assert len(starts) == 2
+    assert torch.equal(sample.loss_mask, expected_loss)
+    assert torch.equal(sample.turn_end_mask, expected_turn_end)
+    assert torch.equal(sample.token_rewards, expected_rewards)
+    assert ids[ends[0] + 2] == im_start  # "\n" then the next user turn: not trained on
+    for (s, e), response in zip(zip(starts, ends), responses):
+        answer_ids = [ids[i] for i in range(s, e) if sample.answer_mask[i]]
+        think_ids = [ids[i] for i in range(s, e) if sample.think_mask[i]]
+        answer = response[response.index("<answer>"):]
+        think = response[: response.index("</think>") + len("</think>")]
+        # a token overlapping a span belongs to it; with byte-level BPE "><" straddles both tags
+        decoded_answer, decoded_think = tok.decode(answer_ids), tok.decode(think_ids)
+        assert decoded_answer.endswith(answer) and len(decoded_answer) - len(answer) <= 1, decoded_answer
+        assert decoded_think.startswith(think) and len(decoded_think) - len(think) <= 1, decoded_think
+    covered = (sample.answer_mask + sample.think_mask) > 0
+    assert int(covered.sum()) == int(sample.loss_mask.sum()) - 2  # every generated token but the <|im_end|>s
+
+
+def test_position_ids_come_from_the_models_rope_index(tiny_vl):
+    _, model, processor = tiny_vl
+    encoder = ChatEncoder(processor)
+    episode, *_ = _two_turn_episode(encoder)
+    sample = episode_to_sample(episode, encoder, model)
+    ids = sample.input_ids[None]
+    expected, _ = model.model.get_rope_index(ids, mm_token_type_ids=(ids == encoder.image_pad_id).int(),
+                                             image_grid_thw=sample.image_grid_thw)
+    assert torch.equal(sample.position_ids, expected[:, 0])
+    image_positions = sample.position_ids[:, sample.input_ids == encoder.image_pad_id]
+    assert image_positions.shape == (3, 12)
+    # a 2x3 grid: height index in {0, 1}, width index in {0, 1, 2} relative to the image start
+    first = image_positions[:, :6] - image_positions[0, 0]
+    assert first[1].tolist() == [0, 0, 0, 1, 1, 1] and first[2].tolist() == [0, 1, 2, 0, 1, 2]
+
+
+def test_training_forward_matches_sampling_logprobs(tiny_vl):
+    """The padded training batch gives the same log-probabilities as the unpadded sequence."""
+    _, model, processor = tiny_vl
+    encoder = ChatEncoder(processor)
+    episode, *_ = _two_turn_episode(encoder)
+    short = Episode("sokoban", 4, 1, "Push the box.")
+    ids, pv, grids = encoder.user_segment("Observation:\n<image>", [_frame(5)], True, "Push the box.")
+    short.input_ids, short.pixel_values, short.image_grid_thw = ids + [1, 2, 3], pv, grids
+    short.turns.append(Turn("", [], "", 0.0, {}, (len(ids), len(ids) + 3), 3))
+    samples = [episode_to_sample(ep, encoder, model) for ep in (episode, short)]
+    batch = collate(samples, encoder.pad_id)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw")}
+    with torch.no_grad():
+        padded = model(**inputs, use_cache=False).logits
+        alone = model(input_ids=samples[0].input_ids[None], position_ids=samples[0].position_ids[:, None],
+                      pixel_values=samples[0].pixel_values, image_grid_thw=samples[0].image_grid_thw).logits
+    n = samples[0].length
+    assert torch.allclose(padded[0, :n], alone[0], atol=1e-4)
+
+
+def test_user_segment_rejects_images_for_a_text_model(tiny_text):
+    _, _, tokenizer = tiny_text
+    encoder = ChatEncoder(tokenizer)
+    with pytest.raises(ValueError, match="no vision tower.*set env.render_mode=text"):
+        encoder.user_segment("<image>", [_frame(0)], True, "sys")
