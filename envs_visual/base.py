@@ -35,7 +35,7 @@ _FIELD_HINTS = {
 }
 
 _TAGS = ("think", "answer", "observation", "reasoning", "prediction")
-_ANY_TAG = re.compile(r"</?(?:%s)>" % "|".join(_TAGS))
+_ANY_TAG = re.compile(r"</?(?:{})>".format("|".join(_TAGS)))
 
 
 def closest_choice_error(kind: str, received: str, choices) -> ValueError:
@@ -176,7 +176,7 @@ class TextActionEnv:
         self.max_steps = int(max_steps)
         self.format_reward = float(format_reward)
         self.format_penalty = float(format_penalty)
-        self._lookup = {a.lower(): a for a in self.action_names}
+        self._set_action_names(self.action_names)
         self.seed: int | None = None
         self.steps = 0
         self.done = False
@@ -229,19 +229,23 @@ class TextActionEnv:
         return self.observation(self._turn_prompt(info)), float(reward), terminated, truncated, info
 
     def system_prompt(self) -> str:
-        return "\n\n".join(
-            [
-                self._task_prompt(),
-                f"You may take up to {self.max_actions_per_turn} actions per turn, separated by ','.",
-                format_instructions(self.prompt_format, self.example_answer, self._example_fields()),
-            ]
-        )
+        parts = [
+            self._task_prompt(),
+            self._actions_prompt(),
+            format_instructions(self.prompt_format, self.example_answer, self._example_fields()),
+        ]
+        return "\n\n".join(part for part in parts if part)
 
     def observation(self, text: str) -> Observation:
         """The observation for the current state, preceded by `text`."""
         if self.render_mode == "vision":
             return Observation(f"{text}\n{IMAGE_PLACEHOLDER}".strip(), [self.render_image()])
         return Observation(f"{text}\n{self.render_text()}".strip(), [])
+
+    def _set_action_names(self, names) -> None:
+        """Replace the accepted action names (for environments whose actions change per episode)."""
+        self.action_names = tuple(names)
+        self._lookup = {a.lower(): a for a in self.action_names}
 
     # -- hooks ---------------------------------------------------------------------------------
     def _parse_actions(self, answer: str) -> tuple[list[str], bool]:
@@ -259,6 +263,10 @@ class TextActionEnv:
     def _failed(self) -> bool:
         return False
 
+    def _actions_prompt(self) -> str:
+        """The system-prompt line about several actions per turn ("" to leave it out)."""
+        return f"You may take up to {self.max_actions_per_turn} actions per turn, separated by ','."
+
     def _step_info(self) -> dict[str, Any]:
         return {}
 
@@ -270,6 +278,11 @@ class TextActionEnv:
 
     def _turn_prompt(self, info: dict[str, Any]) -> str:
         executed = ", ".join(info["actions"]) or "none"
+        if not info["format_ok"]:
+            return (
+                "Your response did not follow the required format or named an invalid action. "
+                f"Executed actions: {executed}. Current observation:"
+            )
         return f"Executed actions: {executed}. Current observation:"
 
     def _reset(self, seed: int) -> None:
