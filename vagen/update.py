@@ -116,7 +116,8 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
 
 
 def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: int, device, world_size: int = 1,
-               generator: torch.Generator | None = None, update_actor: bool = True) -> dict[str, float]:
+               generator: torch.Generator | None = None, update_actor: bool = True,
+               shuffle: bool = True) -> dict[str, float]:
     """PPO epochs over `samples` (this rank's share). Each mini-batch is `train.mini_batch_size`
     trajectories across all ranks, processed in micro-batches of `train.micro_batch_size` with one
     optimizer step at the end of the mini-batch. Returns mean metrics."""
@@ -133,13 +134,14 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
         counts[name] = counts.get(name, 0) + 1
 
     for _ in range(tr.ppo_epochs):
-        order = torch.randperm(len(samples), generator=generator).tolist()
+        order = torch.randperm(len(samples), generator=generator).tolist() if shuffle else list(range(len(samples)))
         for mini in chunks(order, mini_per_rank):
             micro = chunks(mini, tr.micro_batch_size)
             global_batch = len(micro) * tr.micro_batch_size * world_size
             for engine in (actor_engine if update_actor else None, critic_engine):
                 if engine is not None:
                     engine.set_train_batch_size(global_batch)
+            boundary_norms: dict[str, float | None] = {}
             for indices in micro:
                 batch = collate([samples[i] for i in indices], pad_id, fields)
                 inputs = model_inputs(batch, device)
@@ -162,7 +164,7 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
                         loss = loss + algo.kl_coef * kl
                         add("actor/kl_loss", kl.item())
                     actor_engine.backward(loss)
-                    actor_engine.step()
+                    boundary_norms["actor/grad_norm"] = _step(actor_engine, indices is micro[-1])
                     add("actor/pg_loss", pg_loss.item())
                     add("actor/entropy", entropy.item())
                     for key, value in pg_metrics.items():
@@ -172,22 +174,30 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
                     vf_loss, vf_metrics = core.value_loss(values, batch["old_values"], batch["returns"], loss_mask,
                                                           clip=algo.value_clip, agg=algo.loss_agg)
                     critic_engine.backward(algo.vf_coef * vf_loss)
-                    critic_engine.step()
+                    boundary_norms["critic/grad_norm"] = _step(critic_engine, indices is micro[-1])
                     add("critic/vf_loss", vf_loss.item())
                     for key, value in vf_metrics.items():
                         add(f"critic/{key}", value)
-            if update_actor:
-                norm = actor_engine.get_global_grad_norm()
+            for name, norm in boundary_norms.items():
                 if norm is not None and math.isfinite(float(norm)):
-                    add("actor/grad_norm", float(norm))
-            if critic_engine is not None:
-                norm = critic_engine.get_global_grad_norm()
-                if norm is not None and math.isfinite(float(norm)):
-                    add("critic/grad_norm", float(norm))
+                    add(name, float(norm))
     metrics = {k: sums[k] / counts[k] for k in sums}
     if critic_engine is not None:
         metrics["critic/explained_var"] = explained_variance(samples)
     return metrics
+
+
+def _step(engine, boundary: bool) -> float | None:
+    """`engine.step()`; at an accumulation boundary also the norm of the (data-parallel averaged)
+    gradient before clipping. DeepSpeed reports it itself under ZeRO and mixed precision only."""
+    norm = None
+    if boundary and engine.zero_optimization_stage() == 0:
+        grads = [p.grad.detach().float() for p in engine.module.parameters() if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+    engine.step()
+    if boundary and norm is None:
+        norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
 
 
 def explained_variance(samples: list[Sample]) -> float:
