@@ -1,0 +1,57 @@
+import json
+
+import pytest
+import yaml
+
+from vagen.config import available_configs, from_dict, load_config
+from vagen.train import main
+
+FAST = ["train.iterations=2", "rollout.env_groups=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
+        "rollout.max_turns=2", "train.mini_batch_size=4", "train.micro_batch_size=2", "log.progress=false"]
+
+
+def _run(config, tmp_path, model_cache, *extra):
+    overrides = FAST + [f"train.run_dir={tmp_path}", f"model.builtin_cache={model_cache}", *extra]
+    assert main(["--config", config, *overrides]) == 0
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    return runs[-1], overrides
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("config", [c for c in available_configs() if c != "navigation_visual"])
+def test_two_iterations_of_each_config(config, tmp_path, model_cache, distributed):
+    run, overrides = _run(config, tmp_path, model_cache)
+    records = _metrics(run)
+    assert [r["iteration"] for r in records] == [0, 1]
+    for key in ("rollout/success", "rollout/reward_mean", "rollout/in_group_reward_std", "rollout/response_length",
+                "rollout/format_ok", "rollout/action_valid", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
+                "actor/clipfrac", "actor/approx_kl", "timing/generate", "timing/update"):
+        assert key in records[-1], key
+    cfg = load_config(config, overrides)
+    if cfg.algo.adv_estimator != "grpo":
+        assert "critic/vf_loss" in records[-1] and "critic/explained_var" in records[-1]
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert from_dict(saved, config) == cfg  # the run can be reproduced from its directory
+    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
+    assert ckpt.name == "step_2"
+    assert (ckpt / "actor" / "config.json").exists() and (ckpt / "actor" / "model.safetensors").exists()
+    assert json.loads((ckpt / "trainer_state.json").read_text()) == {"iteration": 1}
+    assert (ckpt / "critic").exists() == (cfg.algo.adv_estimator != "grpo")
+
+
+def test_resume_continues_the_step_counter_and_metrics(tmp_path, model_cache, distributed):
+    run, _ = _run("sokoban_text", tmp_path, model_cache, "train.run_name=resumable", "train.save_every=1")
+    assert [r["iteration"] for r in _metrics(run)] == [0, 1]
+    again, _ = _run("sokoban_text", tmp_path, model_cache, "train.run_name=resumable", "train.iterations=3",
+                    "train.resume=auto")
+    assert again == run
+    assert [r["iteration"] for r in _metrics(run)] == [0, 1, 2]
+    assert (run / "checkpoints" / "latest").read_text() == "step_3"
+
+
+def test_resume_from_a_missing_path_says_what_was_expected(tmp_path, model_cache, distributed):
+    with pytest.raises(FileNotFoundError, match="no checkpoint there"):
+        _run("sokoban_text", tmp_path, model_cache, f"train.resume={tmp_path / 'nope'}")
