@@ -124,6 +124,20 @@ def format_instructions(prompt_format: str, example_answer: str, example_fields:
     return "\n".join(lines)
 
 
+def format_response(prompt_format: str, answer: str, fields: dict[str, str] | None = None) -> str:
+    """A well-formed response in `prompt_format` (for scripted policies and demonstrations)."""
+    check_prompt_format(prompt_format)
+    fields = fields or {}
+    inner = PROMPT_FORMATS[prompt_format]
+    if inner is None:
+        think = f"<think>{fields.get('think', fields.get('reasoning', ''))}</think>"
+    elif inner == ():
+        think = ""
+    else:
+        think = "<think>" + "".join(f"<{n}>{fields.get(n, '')}</{n}>" for n in inner) + "</think>"
+    return f"{think}<answer>{answer}</answer>"
+
+
 @dataclass
 class Observation:
     """What the agent sees: text with one `<image>` placeholder per image in `images`."""
@@ -180,6 +194,8 @@ class TextActionEnv:
         self.seed: int | None = None
         self.steps = 0
         self.done = False
+        # When True, `step` adds info["frames"]: one (action, reward, frame) per executed action.
+        self.record_frames = False
 
     # -- Gymnasium API -------------------------------------------------------------------------
     def reset(self, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
@@ -199,20 +215,26 @@ class TextActionEnv:
         actions, all_valid = self._parse_actions(parsed.answer) if parsed.ok else ([], False)
         reward, executed, effective = 0.0, [], False
         terminated = truncated = False
-        if not self.done:
+        frames = []
+        was_done = self.done
+        if not was_done:
             for action in actions:
                 r, changed = self._apply(action)
                 reward += r
                 effective |= changed
                 executed.append(action)
                 self.steps += 1
+                if self.record_frames:
+                    frames.append((action, float(r), self.render_video_frame()))
                 terminated = self._success() or self._failed()
                 truncated = not terminated and self.steps >= self.max_steps
                 if terminated or truncated:
                     break
         self.done = self.done or terminated or truncated
         format_ok = parsed.ok and all_valid and len(actions) > 0
-        if format_ok:
+        if was_done:
+            pass  # an ended episode pays nothing, whatever the response
+        elif format_ok:
             reward += self.format_reward
         elif not parsed.ok:
             reward -= self.format_penalty
@@ -225,6 +247,8 @@ class TextActionEnv:
             "parsed": parsed.fields(),
             "steps": self.steps,
         }
+        if self.record_frames:
+            info["frames"] = frames  # (action, reward, frame) per executed action, for episode videos
         info.update(self._step_info())
         return self.observation(self._turn_prompt(info)), float(reward), terminated, truncated, info
 
@@ -246,6 +270,10 @@ class TextActionEnv:
         """Replace the accepted action names (for environments whose actions change per episode)."""
         self.action_names = tuple(names)
         self._lookup = {a.lower(): a for a in self.action_names}
+
+    def render_video_frame(self) -> Image.Image:
+        """The frame shown in episode videos (the observation frame unless an env adds more)."""
+        return self.render_image()
 
     # -- hooks ---------------------------------------------------------------------------------
     def _parse_actions(self, answer: str) -> tuple[list[str], bool]:

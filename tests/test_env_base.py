@@ -269,3 +269,39 @@ def test_text_only_envs_reject_vision():
     for name in ("bandit", "countdown"):
         with pytest.raises(ValueError, match="render_mode"):
             envs_visual.make(name, render_mode="vision")
+
+
+def test_format_response_round_trips_through_the_parser_in_every_format():
+    from envs_visual.base import PROMPT_FORMATS, format_response, parse_response
+
+    fields = {"observation": "box left", "reasoning": "push", "prediction": "box moves", "think": "push left"}
+    for prompt_format in PROMPT_FORMATS:
+        parsed = parse_response(format_response(prompt_format, "Left, Up", fields), prompt_format)
+        assert parsed.ok and parsed.answer == "Left, Up", prompt_format
+
+
+def test_recorded_frames_follow_each_executed_action():
+    import envs_visual
+
+    env = envs_visual.make("sokoban", prompt_format="no_think")
+    env.reset(seed=5)
+    env.record_frames = True
+    plan = env.solve()[:3]
+    _, reward, _, _, info = env.step(f"<answer>{', '.join(plan)}</answer>")
+    assert [a for a, _, _ in info["frames"]] == info["actions"] == plan[: len(info["actions"])]
+    assert sum(r for _, r, _ in info["frames"]) + env.format_reward == pytest.approx(reward)
+    assert info["frames"][-1][2].tobytes() == env.render_image().tobytes()
+
+
+def test_an_ended_episode_pays_nothing():
+    import envs_visual
+
+    env = envs_visual.make("sokoban", prompt_format="no_think")
+    env.reset(seed=5)
+    plan = env.solve()
+    while plan:
+        _, _, terminated, _, _ = env.step(f"<answer>{', '.join(plan[:3])}</answer>")
+        plan = plan[3:]
+    assert terminated
+    _, reward, _, _, info = env.step("<answer>Left</answer>")
+    assert reward == 0.0 and info["actions"] == []
