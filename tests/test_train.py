@@ -55,3 +55,11 @@ def test_resume_continues_the_step_counter_and_metrics(tmp_path, model_cache, di
 def test_resume_from_a_missing_path_says_what_was_expected(tmp_path, model_cache, distributed):
     with pytest.raises(FileNotFoundError, match="no checkpoint there"):
         _run("sokoban_text", tmp_path, model_cache, f"train.resume={tmp_path / 'nope'}")
+
+
+def test_periodic_evaluation_logs_eval_metrics_and_writes_videos(tmp_path, model_cache, distributed):
+    run, _ = _run("frozenlake_visual", tmp_path, model_cache, "eval.every=2", "eval.episodes=2", "eval.videos=1")
+    records = _metrics(run)
+    assert "eval/success" not in records[0] and "eval/success" in records[1]
+    assert records[1]["eval/episodes"] == 2
+    assert len(list((run / "eval" / "step_2" / "videos").glob("frozenlake_seed1000000000_*.mp4"))) == 1

@@ -148,16 +148,17 @@ class RunDir:
             print(f"[collapse monitor] iteration {it}: {warning}", flush=True)
 
     # -- evaluation and checkpoints -----------------------------------------------------------------
-    def maybe_evaluate(self, it: int, cfg: Config, model, encoder) -> None:
+    def maybe_evaluate(self, it: int, cfg: Config, model, encoder) -> dict[str, float]:
+        """Every `eval.every` iterations: held-out episodes (greedy unless eval.do_sample), a few
+        videos under eval/step_N/videos; returns `eval/*` metrics for this iteration's record."""
         every = cfg.eval.every
         if every <= 0 or (it + 1) % every != 0:
-            return
+            return {}
         from vagen.eval import evaluate
 
         summary = evaluate(model, encoder, cfg, cfg.eval.episodes, self.path / "eval" / f"step_{it + 1}",
                            videos=cfg.eval.videos, dist=self.dist, with_baselines=False)
-        if self.is_main:
-            self.log(it, {f"eval/{k}": v for k, v in summary.items() if isinstance(v, (int, float))}, [])
+        return {f"eval/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
     def maybe_save(self, it: int, cfg: Config, actor_engine, critic_engine, processor) -> None:
         last = it + 1 == cfg.train.iterations

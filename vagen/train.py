@@ -114,11 +114,11 @@ def main(argv=None) -> int:
                    "reward_std_in_group": "rollout/in_group_reward_std"}
         warnings = monitor.update({k: stats[v] for k, v in watched.items() if v in stats})
         stats["timing/iteration"] = time.perf_counter() - t_iter
+        stats.update(run.maybe_evaluate(it, cfg, actor_engine.module, encoder))
 
         if is_main_process:
             run.log(it, stats, warnings)
             progress.update(it, stats)
-        run.maybe_evaluate(it, cfg, actor_engine.module, encoder)
         run.maybe_save(it, cfg, actor_engine, critic_engine, processor)
 
     progress.close()

@@ -1,0 +1,55 @@
+import json
+
+import imageio.v3 as iio
+import pytest
+from PIL import Image
+
+import envs_visual
+from vagen.config import load_config
+from vagen.eval import main, play_reference, resolve_checkpoint
+from vagen.rollout import eval_seeds
+
+
+def test_evaluating_the_tiny_model_writes_results_with_reference_rows_and_videos(tiny_vl, tmp_path):
+    path, _, _ = tiny_vl
+    out = tmp_path / "eval"
+    assert main(["--config", "sokoban_visual", "--checkpoint", str(path), "--episodes", "4", "--videos", "1",
+                 "--out", str(out), "rollout.max_new_tokens=16"]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["model"]["episodes"] == 4
+    assert [r["seed"] for r in result["episodes"]] == eval_seeds(4)
+    assert set(result["reference"]) == {"random", "solver"}
+    # the solver succeeds exactly where the optimal plan fits in the turn budget (3 turns x 3 actions)
+    cfg = load_config("sokoban_visual")
+    fits = []
+    for seed in eval_seeds(4):
+        env = envs_visual.make("sokoban", **cfg.env.params)
+        env.reset(seed=seed)
+        fits.append(len(env.solve()) <= 9)
+    assert result["reference"]["solver"]["success"] == sum(fits) / 4
+    low, high = result["model"]["success_ci95"]
+    assert 0.0 <= low <= result["model"]["success"] <= high <= 1.0
+    table = (out / "results.md").read_text()
+    assert "| model | 4 |" in table and "| random | 4 |" in table and "| solver | 4 |" in table
+    videos = sorted((out / "videos").iterdir())
+    assert [v.suffix for v in videos] == [".gif", ".mp4"]
+    assert videos[0].name.startswith("sokoban_seed1000000000_")
+    episode = result["episodes"][0]
+    # initial frame + one per executed action (one for a turn without any) + the outcome frame
+    expected = 2 + sum(max(1, n) for n in episode["actions_per_turn"])
+    assert len(iio.imread(videos[1], plugin="pyav")) == expected
+    assert Image.open(videos[0]).n_frames == expected
+
+
+def test_reference_policies_replay_deterministically():
+    cfg = load_config("frozenlake_visual")
+    seed = eval_seeds(1)[0]
+    assert play_reference(cfg, seed, "random") == play_reference(cfg, seed, "random")
+    solver = play_reference(cfg, seed, "solver")
+    assert solver["format_ok"] == 1.0 and solver["action_valid"] == 1.0
+    assert play_reference(load_config("countdown_text"), seed, "random") is None  # no action list to draw from
+
+
+def test_resolve_checkpoint_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model there.*runs/<run>/checkpoints/step_N"):
+        resolve_checkpoint(str(tmp_path))

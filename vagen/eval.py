@@ -1,0 +1,270 @@
+"""Evaluate a checkpoint on held-out level seeds, beside a random policy and the optimal solver.
+
+    python -m vagen.eval --config sokoban_visual --checkpoint runs/<run>/checkpoints/step_N \\
+        [--episodes 128] [--videos 8] [--out DIR] [section.key=value ...]
+    deepspeed --num_gpus 2 vagen/eval.py --config ... --checkpoint ...   (episodes split across ranks)
+
+Writes `results.json` and a Markdown table `results.md` into the output directory (default:
+`<checkpoint>/eval`), and episode videos (mp4 + GIF) under `videos/`. Seeds are the evaluation seeds
+(>= 1e9), disjoint from every training seed. Decoding is greedy unless `eval.do_sample=true`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REFERENCE_POLICIES = ("random", "solver")
+
+
+def summarize(records: list[dict]) -> dict:
+    """Success rate with its 95% interval, mean return, turns, actions, format and validity rates."""
+    from vagen.rollout import wilson_interval
+
+    n = len(records)
+
+    def mean(key):
+        values = [r[key] for r in records if r.get(key) is not None]
+        return float(np.mean(values)) if values else None
+
+    successes = sum(bool(r["success"]) for r in records)
+    low, high = wilson_interval(successes, n)
+    return {
+        "episodes": n,
+        "success": successes / n if n else 0.0,
+        "success_ci95": [low, high],
+        "return": mean("return"),
+        "turns": mean("turns"),
+        "actions": mean("actions"),
+        "format_ok": mean("format_ok"),
+        "action_valid": mean("action_valid"),
+        "response_length": mean("response_length"),
+    }
+
+
+def episode_record(seed: int, turns: list[dict], success: bool) -> dict:
+    """Per-episode numbers from its turns' rewards and infos."""
+    return {
+        "seed": seed,
+        "success": bool(success),
+        "return": float(sum(t["reward"] for t in turns)),
+        "turns": len(turns),
+        "actions": sum(len(t["info"].get("actions", [])) for t in turns),
+        "actions_per_turn": [len(t["info"].get("actions", [])) for t in turns],
+        "format_ok": float(np.mean([bool(t["info"].get("format_ok")) for t in turns])) if turns else 0.0,
+        "action_valid": float(np.mean([bool(t["info"].get("action_is_valid")) for t in turns])) if turns else 0.0,
+        "response_length": float(np.mean([t["length"] for t in turns])) if turns and "length" in turns[0] else None,
+    }
+
+
+def play_reference(cfg, seed: int, policy: str) -> dict | None:
+    """One episode of a scripted policy on `seed` under the model's turn budget: `random` takes
+    `max_actions_per_turn` valid actions uniformly at random, `solver` follows the env's optimal
+    plan, re-planned every turn. None where the env has no such policy."""
+    from envs_visual.base import format_response
+    from vagen.rollout import make_env
+
+    env = make_env(cfg.env)
+    if policy == "random" and not env.action_names:
+        return None
+    if policy == "solver" and not hasattr(env, "solve"):
+        return None
+    rng = np.random.default_rng(seed)
+    env.reset(seed=seed)
+    turns, success = [], False
+    for _ in range(cfg.rollout.max_turns):
+        if policy == "random":
+            actions = list(rng.choice(env.action_names, size=env.max_actions_per_turn))
+        else:
+            actions = (env.solve() or [])[: env.max_actions_per_turn]
+            if not actions:
+                break
+        _, reward, terminated, truncated, info = env.step(format_response(env.prompt_format, ", ".join(actions)))
+        turns.append({"reward": reward, "info": info})
+        success = bool(info.get("success"))
+        if terminated or truncated:
+            break
+    if hasattr(env, "close"):
+        env.close()
+    return episode_record(seed, turns, success)
+
+
+def _gather(items: list, dist) -> list:
+    import torch
+
+    if dist is None or dist.world_size == 1 or not torch.distributed.is_initialized():
+        return items
+    gathered: list = [None] * dist.world_size
+    torch.distributed.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]
+
+
+def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0, dist=None,
+             with_baselines: bool = True) -> dict:
+    """Play `episodes` held-out episodes (split across ranks), write results and videos, return
+    the model's summary (and the reference rows under "reference")."""
+    from vagen.rollout import eval_seeds, make_env, rollout
+
+    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    seeds = eval_seeds(episodes)
+    mine = seeds[rank::world]
+    envs = [make_env(cfg.env) for _ in mine]
+    video_seeds = set(seeds[:videos])
+    for env, seed in zip(envs, mine):
+        env.record_frames = seed in video_seeds
+    was_training = model.training
+    model.eval()
+    played, _ = rollout(model, encoder, cfg, mine, group_size=1, do_sample=cfg.eval.do_sample, envs=envs)
+    model.train(was_training)
+    records = [episode_record(ep.seed, [{"reward": t.reward, "info": t.info, "length": t.response_length}
+                                        for t in ep.turns], ep.success) for ep in played]
+    references = {}
+    if with_baselines:
+        for policy in REFERENCE_POLICIES:
+            rows = [play_reference(cfg, seed, policy) for seed in mine]
+            references[policy] = [r for r in rows if r is not None]
+    out_dir = Path(out_dir)
+    written = []
+    for ep in played:
+        if ep.seed in video_seeds:
+            written += write_video(cfg, ep, out_dir / "videos")
+    for env in envs:
+        if hasattr(env, "close"):
+            env.close()
+    records = sorted(_gather(records, dist), key=lambda r: r["seed"])
+    for policy in references:
+        references[policy] = _gather(references[policy], dist)
+    summary = summarize(records)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        reference_rows = {p: summarize(rows) for p, rows in references.items() if rows}
+        result = {"env": cfg.env.name, "config": cfg.name, "seeds": [seeds[0], seeds[-1]],
+                  "do_sample": cfg.eval.do_sample, "model": summary, "reference": reference_rows,
+                  "episodes": records}
+        (out_dir / "results.json").write_text(json.dumps(result, indent=2))
+        (out_dir / "results.md").write_text(results_table(cfg.env.name, summary, reference_rows))
+    summary = dict(summary)
+    summary["videos"] = len(written)
+    return summary
+
+
+def results_table(env_name: str, model: dict, references: dict) -> str:
+    header = ("| policy | episodes | success (95% CI) | return | turns | actions | format ok | action valid "
+              "| response length |\n|---|---|---|---|---|---|---|---|---|\n")
+
+    def fmt(value, digits=2):
+        return "–" if value is None else f"{value:.{digits}f}"
+
+    def row(name, s):
+        low, high = s["success_ci95"]
+        return (f"| {name} | {s['episodes']} | {s['success']:.3f} ({low:.3f}–{high:.3f}) | {fmt(s['return'])} | "
+                f"{fmt(s['turns'])} | {fmt(s['actions'])} | {fmt(s['format_ok'])} | {fmt(s['action_valid'])} | "
+                f"{fmt(s['response_length'], 1)} |\n")
+
+    body = row("model", model) + "".join(row(name, s) for name, s in references.items())
+    return f"### {env_name}\n\n{header}{body}"
+
+
+def write_video(cfg, episode, out_dir: Path) -> list[Path]:
+    """mp4 + GIF of one episode: a frame per executed action with the turn's think and answer."""
+    from vagen.rollout import make_env
+    from vagen.video import EpisodeStep, write_episode_video
+
+    env = make_env(cfg.env)
+    env.reset(seed=episode.seed)
+    try:
+        initial = env.render_video_frame()
+    except NotImplementedError:
+        return []  # a text-only environment has nothing to show
+    finally:
+        if hasattr(env, "close"):
+            env.close()
+    steps, total = [], 0.0
+    for number, turn in enumerate(episode.turns, start=1):
+        parsed = turn.info.get("parsed", {})
+        think, answer = parsed.get("think", ""), parsed.get("answer") or turn.response
+        frames = turn.info.get("frames", [])
+        action_total = sum(r for _, r, _ in frames)
+        for k, (action, reward, frame) in enumerate(frames):
+            # The turn's format reward (or penalty) is booked on its last action.
+            if k == len(frames) - 1:
+                reward += turn.reward - action_total
+            total += reward
+            steps.append(EpisodeStep(frame, number, think, answer, action, reward, total))
+        if not frames:
+            total += turn.reward
+            last = steps[-1].frame if steps else initial
+            steps.append(EpisodeStep(last, number, think, answer, "(no valid action)", turn.reward, total))
+    return write_episode_video(initial, steps, episode.success, out_dir, cfg.env.name, episode.seed)
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """The actor directory of a checkpoint: accepts `.../step_N`, `.../step_N/actor`, a run directory
+    (its latest checkpoint) or any Hugging Face checkpoint directory."""
+    p = Path(path)
+    if (p / "checkpoints" / "latest").exists():
+        p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
+    if (p / "actor" / "config.json").exists():
+        p = p / "actor"
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(
+            f"--checkpoint {path!r}: no model there (expected config.json); pass a run directory, "
+            "runs/<run>/checkpoints/step_N, or a Hugging Face checkpoint directory"
+        )
+    return p
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--checkpoint", required=True, help="run dir, checkpoints/step_N, or a HF checkpoint dir")
+    parser.add_argument("--episodes", type=int, default=None, help="held-out episodes (default eval.episodes)")
+    parser.add_argument("--videos", type=int, default=None, help="episode videos (default eval.videos)")
+    parser.add_argument("--out", default=None, help="output directory (default <checkpoint>/eval)")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    from vagen.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    import torch
+
+    from vagen.models import load_policy
+    from vagen.rollout import ChatEncoder
+    from vagen.run import Dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist = Dist(rank, world, int(os.environ.get("LOCAL_RANK", "0")), device)
+    model, processor = load_policy(checkpoint, cfg.model.dtype)
+    model.to(device)
+    out = Path(args.out) if args.out else checkpoint.parent / "eval"
+    episodes = args.episodes if args.episodes is not None else cfg.eval.episodes
+    videos = args.videos if args.videos is not None else cfg.eval.videos
+    summary = evaluate(model, ChatEncoder(processor), cfg, episodes, out, videos=videos, dist=dist)
+    if rank == 0:
+        print((out / "results.md").read_text())
+        print(f"results: {out / 'results.json'}  videos: {summary['videos']} (rank 0)")
+    return 0
+
+
+if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    sys.path.insert(0, os.path.dirname(here))
+    raise SystemExit(main())
