@@ -8,8 +8,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from update_fixtures import answer_samples  # noqa: E402
+
 from vagen.config import load_config  # noqa: E402
 from vagen.models import load_policy, resolve_model_path  # noqa: E402
 from vagen.rollout import ChatEncoder  # noqa: E402
