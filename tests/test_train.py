@@ -21,7 +21,7 @@ def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("config", [c for c in available_configs() if c != "navigation_visual"])
+@pytest.mark.parametrize("config", available_configs())
 def test_two_iterations_of_each_config(config, tmp_path, model_cache, distributed):
     run, overrides = _run(config, tmp_path, model_cache)
     records = _metrics(run)

@@ -1,0 +1,146 @@
+"""Throughput of the training loop's two halves against bare Hugging Face / torch baselines,
+measured in one process on the same model and batches.
+
+    python benchmarks/bench_train.py [--config sokoban_visual] [--groups 4] [--group-size 4]
+
+- rollout: `vagen.rollout.rollout` (batched multi-turn generation + environment steps + image
+  processing + bookkeeping), generated tokens per second, against bare `model.generate` on exactly
+  the batches the rollout generated from (same sampling settings, same number of new tokens, no
+  stop strings or token suppression).
+- update: `vagen.update.ppo_update` (actor only, GRPO advantages) in a real DeepSpeed engine, tokens
+  per second, against a bare loop of forward + backward + AdamW step over the same micro-batches.
+
+Targets: rollout >= 80% of bare generate, update >= 70% of bare forward+backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import vagen.rollout as rollout_module  # noqa: E402
+from vagen.config import load_config  # noqa: E402
+from vagen.models import load_policy, resolve_model_path  # noqa: E402
+from vagen.rollout import ChatEncoder, batch_generation_inputs, rollout, train_seeds  # noqa: E402
+from vagen.trajectory import collate, episode_to_sample, model_inputs  # noqa: E402
+from vagen.update import annotate, chunks, compute_advantages, ppo_update, shifted_logprobs  # noqa: E402
+
+
+def measure_rollout(model, encoder, cfg, seeds, group_size):
+    """Our rollout, recording every generation batch and how many tokens it produced."""
+    captured = []
+    original = rollout_module.generate
+
+    def recording(model, encoder, episodes, max_new_tokens, *args, **kwargs):
+        new = original(model, encoder, episodes, max_new_tokens, *args, **kwargs)
+        batch = batch_generation_inputs(encoder, episodes)
+        longest = max(len(encoder.finish_response(ids)[0]) - 1 for ids in new)
+        captured.append((batch, max(1, longest), sum(len(encoder.finish_response(ids)[0]) for ids in new)))
+        return new
+
+    rollout_module.generate = recording
+    try:
+        t0 = time.perf_counter()
+        episodes, _ = rollout(model, encoder, cfg, seeds, group_size)
+        elapsed = time.perf_counter() - t0
+    finally:
+        rollout_module.generate = original
+    tokens = sum(t.response_length for ep in episodes for t in ep.turns)
+    return episodes, tokens, elapsed, captured
+
+
+@torch.no_grad()
+def measure_bare_generate(model, encoder, cfg, captured):
+    """Plain `generate` on the captured batches: every row produces the turn's longest length."""
+    ro = cfg.rollout
+    tokens, elapsed = 0, 0.0
+    for batch, new_tokens, _ in captured:
+        t0 = time.perf_counter()
+        out = model.generate(**batch, do_sample=True, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=encoder.pad_id)
+        elapsed += time.perf_counter() - t0
+        tokens += (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
+    return tokens, elapsed
+
+
+def measure_update(engine, samples, cfg, encoder, device):
+    t0 = time.perf_counter()
+    ppo_update(engine, None, samples, cfg, encoder.pad_id, device, shuffle=False)
+    elapsed = time.perf_counter() - t0
+    return sum(s.length for s in samples) * cfg.train.ppo_epochs, elapsed
+
+
+def measure_bare_update(model, samples, cfg, encoder):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.actor_lr)
+    per_step = cfg.train.mini_batch_size
+    t0 = time.perf_counter()
+    for _ in range(cfg.train.ppo_epochs):
+        for mini in chunks(samples, per_step):
+            micro = chunks(mini, cfg.train.micro_batch_size)
+            for group in micro:
+                batch = collate(group, encoder.pad_id)
+                logits = model(**model_inputs(batch), use_cache=False).logits
+                logprobs, _ = shifted_logprobs(logits, batch["input_ids"], 1.0, with_entropy=False)
+                loss = -(logprobs * batch["loss_mask"]).sum() / batch["loss_mask"].sum() / len(micro)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    elapsed = time.perf_counter() - t0
+    return sum(s.length for s in samples) * cfg.train.ppo_epochs, elapsed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="sokoban_visual")
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    args = parser.parse_args()
+    from vagen.train import init_distributed, make_engine
+
+    dist = init_distributed()
+    cfg = load_config(args.config, [f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
+                                    f"rollout.max_new_tokens={args.max_new_tokens}", "algo.adv_estimator=grpo",
+                                    "train.mini_batch_size=8", "train.micro_batch_size=4"])
+    model, processor = load_policy(resolve_model_path(cfg.model.path, cfg.model.builtin_cache, cfg.train.seed))
+    encoder = ChatEncoder(processor)
+    seeds = train_seeds(0, args.groups)
+    model.eval()
+    measure_rollout(model, encoder, cfg, seeds[:1], 1)  # warm-up
+    episodes, ours_tokens, ours_time, captured = measure_rollout(model, encoder, cfg, seeds, args.group_size)
+    bare_tokens, bare_time = measure_bare_generate(model, encoder, cfg, captured)
+
+    samples = [episode_to_sample(ep, encoder, model) for ep in episodes]
+    bare_model = copy.deepcopy(model).train()
+    engine = make_engine(model.train(), cfg, cfg.train.actor_lr, dist)
+    annotate(samples, engine, None, None, cfg, encoder.pad_id, dist.device)
+    compute_advantages(samples, cfg)
+    measure_bare_update(copy.deepcopy(bare_model), samples[:4], cfg, encoder)  # warm-up
+    upd_tokens, upd_time = measure_update(engine, samples, cfg, encoder, dist.device)
+    bare_upd_tokens, bare_upd_time = measure_bare_update(bare_model, samples, cfg, encoder)
+
+    rows = [
+        ("rollout (generated tokens/s)", ours_tokens / ours_time, bare_tokens / bare_time, 0.80),
+        ("update (trajectory tokens/s)", upd_tokens / upd_time, bare_upd_tokens / bare_upd_time, 0.70),
+    ]
+    print(f"config {args.config}: {args.groups}x{args.group_size} episodes, {len(captured)} generation batches, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"{'measure':<30} {'vagen':>10} {'bare':>10} {'ratio':>7} {'target':>7}  met")
+    ok = True
+    for name, ours, bare, target in rows:
+        ratio = ours / bare
+        ok &= ratio >= target
+        print(f"{name:<30} {ours:>10.1f} {bare:>10.1f} {ratio:>7.2f} {target:>7.2f}  {'yes' if ratio >= target else 'no'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
