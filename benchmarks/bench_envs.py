@@ -148,11 +148,26 @@ def bench_text_envs(seconds: float) -> list[Row]:
     ]
 
 
+def bench_navigation(seconds: float) -> list[Row]:
+    """MuJoCo navigation beside a bare `mujoco.Renderer` render of the same scene, in the same run;
+    the step+render target is 60% of the bare rate."""
+    from benchmarks.bench_navigation import navigation_rows
+
+    rows = navigation_rows(steps=max(50, int(300 * seconds)), size=128)
+    bare = rows[0]["per_s"]
+    config = "128x128, EGL"
+    out = [Row("navigation", config, "bare mujoco render", bare)]
+    out.append(Row("navigation", config, "step+render", rows[1]["per_s"], target=0.6 * bare))
+    out += [Row("navigation", config, r["name"].removeprefix("navigation "), r["per_s"]) for r in rows[2:]]
+    return out
+
+
 # Append one (name, function) per environment; each function takes the seconds per measurement.
 BENCHMARKS: list[tuple[str, Callable[[float], list[Row]]]] = [
     ("sokoban", bench_sokoban),
     ("frozenlake", bench_frozenlake),
     ("text", bench_text_envs),
+    ("navigation", bench_navigation),
 ]
 
 
