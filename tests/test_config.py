@@ -161,3 +161,10 @@ def test_config_errors_surface_fast_without_heavy_imports():
     assert heavy == "[]"
     assert float(elapsed) < 2.0
     assert wall < 10.0  # the interpreter start included; generous for a loaded machine
+
+
+def test_unknown_or_unavailable_rollout_backend_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"rollout.backend=vllm is not implemented yet.*use rollout.backend=hf"):
+        load_config(None, ["rollout.backend=vllm"])
+    with pytest.raises(ConfigError, match=r"rollout.backend='sglang' is not a valid choice"):
+        load_config(None, ["rollout.backend=sglang"])

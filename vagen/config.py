@@ -41,6 +41,8 @@ class ModelConfig:
     min_pixels: int | None = _f(None, "image processor min_pixels; null = the checkpoint's own")
     max_pixels: int | None = _f(None, "image processor max_pixels; null = the checkpoint's own")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    warm_start: str = _f("none", "none | teacher | solver: start from SFT on that policy's demonstrations "
+                                 "(built once per env and model, cached next to the model)")
 
 
 @dataclass
@@ -55,7 +57,7 @@ class EnvConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = _f("hf", "generation engine: hf (transformers generate) | vllm (GPU only)")
+    backend: str = _f("hf", "generation engine: hf (transformers generate); vllm is planned")
     env_groups: int = _f(4, "distinct level seeds per iteration")
     group_size: int = _f(4, "rollouts per level seed (members of a group share the seed)")
     max_turns: int = _f(3, "turns per episode at most")
@@ -112,6 +114,21 @@ class TrainConfig:
 
 
 @dataclass
+class SFTConfig:
+    demos: int = _f(1500, "warm start: demonstrated episodes on distinct levels (none from evaluation)")
+    exclude_eval: int = _f(1024, "levels of the first N evaluation seeds are never demonstrated")
+    max_steps: int = _f(1500, "optimizer steps at most")
+    min_steps: int = _f(300, "optimizer steps before early stopping may end training")
+    batch_size: int = _f(16, "episodes per optimizer step")
+    micro_batch_size: int = _f(16, "episodes per forward/backward")
+    lr: float = _f(1e-3, "learning rate (constant after warm-up)")
+    warmup_steps: int = _f(20, "linear learning-rate warm-up steps")
+    check_every: int = _f(50, "steps between checks of answer accuracy on held-out demonstrations")
+    patience: int = _f(4, "stop after this many checks without a better held-out answer accuracy")
+    val_demos: int = _f(128, "held-out demonstrations for the convergence check")
+
+
+@dataclass
 class EvalConfig:
     every: int = _f(0, "evaluate every N iterations; 0 = never during training")
     episodes: int = _f(16, "evaluation episodes (held-out seeds)")
@@ -133,6 +150,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     log: LogConfig = field(default_factory=LogConfig)
     name: str = "default"
 
@@ -147,9 +165,10 @@ SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "name"]
 
 CHOICES = {
     ("model", "dtype"): ("float32", "bfloat16"),
+    ("model", "warm_start"): ("none", "teacher", "solver"),
     ("env", "render_mode"): ("vision", "text"),
     ("env", "prompt_format"): ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling"),
-    ("rollout", "backend"): ("hf", "vllm"),
+    ("rollout", "backend"): ("hf",),
     ("algo", "adv_estimator"): ("turn_gae", "gae", "grpo"),
     ("algo", "token_selection"): ("all", "answer", "think_answer", "entropy"),
     ("algo", "filter_mode"): ("none", "std", "std_rev"),
@@ -169,6 +188,11 @@ def _closest(name: str, choices) -> str:
 
 def validate(cfg: Config) -> None:
     """Cross-field checks; each message says how to fix the problem."""
+    if cfg.rollout.backend == "vllm":
+        raise ConfigError(
+            "rollout.backend=vllm is not implemented yet (the rollout goes through one generate "
+            "function, where a vLLM engine will plug in); use rollout.backend=hf, which runs on CPUs and GPUs"
+        )
     for (section, key), choices in CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
