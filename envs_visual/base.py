@@ -106,21 +106,15 @@ def format_instructions(prompt_format: str, example_answer: str, example_fields:
     inner = PROMPT_FORMATS[prompt_format]
     if inner is None:
         shape = "<think>...</think><answer>...</answer>"
-        example = f"<think>{example_fields.get('reasoning', '')}</think><answer>{example_answer}</answer>"
     elif inner == ():
         shape = "<answer>...</answer>"
-        example = f"<answer>{example_answer}</answer>"
     else:
         shape = "<think>" + "".join(f"<{n}>...</{n}>" for n in inner) + "</think><answer>...</answer>"
-        example = (
-            "<think>"
-            + "".join(f"<{n}>{example_fields.get(n, _FIELD_HINTS[n])}</{n}>" for n in inner)
-            + f"</think><answer>{example_answer}</answer>"
-        )
+    fields = dict(example_fields) if inner is None else {**_FIELD_HINTS, **example_fields}
     lines = [f"Respond exactly in this format: {shape}"]
     if inner:
         lines.append("Inside <think>: " + "; ".join(f"<{n}> {_FIELD_HINTS[n]}" for n in inner) + ".")
-    lines.append(f"Example: {example}")
+    lines.append(f"Example: {format_response(prompt_format, example_answer, fields)}")
     return "\n".join(lines)
 
 
