@@ -1,0 +1,78 @@
+import json
+
+import pytest
+import torch
+
+from vagen import sft
+from vagen.config import load_config
+from vagen.demos import distinct_eval_seeds
+from vagen.models import load_policy, resolve_model_path
+from vagen.rollout import ChatEncoder
+
+SMALL = ["sft.demos=48", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8", "sft.micro_batch_size=8",
+         "sft.lr=3e-3", "sft.warmup_steps=0", "sft.check_every=10", "sft.min_steps=0", "rollout.max_turns=2"]
+
+
+def test_sft_on_demonstrations_teaches_the_format(model_cache, distributed):
+    torch.manual_seed(0)
+    cfg = load_config("frozenlake_text", SMALL + ["sft.max_steps=80", "sft.patience=100"])
+    model, processor = load_policy(resolve_model_path(cfg.model.path, model_cache))
+    encoder = ChatEncoder(processor)
+    seeds = distinct_eval_seeds(cfg.env, 16)
+    before = sft.held_out_metrics(model, encoder, cfg, seeds, do_sample=False)
+    assert before["format_ok"] < 0.1
+    train, val = sft.demo_sets(cfg, "teacher")
+    engine = sft.sft_engine(model, cfg, distributed)
+    stats = sft.train_sft(engine, sft.demo_samples(train, cfg, encoder, model),
+                          sft.demo_samples(val, cfg, encoder, model), cfg, encoder.pad_id, distributed.device,
+                          log=lambda _: None)
+    assert stats["sft/step"] == 80 and stats["sft/train_nll"] < 1.0
+    after = sft.held_out_metrics(engine.module, encoder, cfg, seeds, do_sample=False)
+    assert after["format_ok"] > 0.9, (before, after)
+    assert after["n"] == 16
+
+
+def test_warm_start_none_is_the_base_checkpoint(tmp_path, distributed):
+    cfg = load_config("frozenlake_text")
+    assert sft.warm_start_checkpoint(cfg, tmp_path, distributed) == tmp_path
+
+
+def test_warm_start_is_built_once_and_cached(tmp_path, model_cache, distributed):
+    overrides = SMALL + ["sft.max_steps=2", "model.warm_start=teacher", f"model.builtin_cache={tmp_path}"]
+    cfg = load_config("frozenlake_text", overrides)
+    base = resolve_model_path(cfg.model.path, model_cache)
+    path = sft.warm_start_checkpoint(cfg, base, distributed)
+    assert path != base and (path / "config.json").exists()
+    state = json.loads((path / sft.STATE_FILE).read_text())
+    assert state["policy"] == "teacher" and state["sft/step"] == 2
+    stamp = (path / sft.STATE_FILE).stat().st_mtime_ns
+    assert sft.warm_start_checkpoint(cfg, base, distributed) == path
+    assert (path / sft.STATE_FILE).stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    model, _ = load_policy(path)
+    assert model.config.vocab_size == load_policy(base)[0].config.vocab_size
+
+
+def test_cache_key_follows_what_the_warm_start_depends_on(tmp_path):
+    cfg = load_config("frozenlake_visual", ["model.warm_start=teacher"])
+    key = sft.cache_key(cfg, tmp_path, "teacher")
+    assert sft.cache_key(load_config("frozenlake_visual"), tmp_path, "teacher") == key
+    for change in ["env.params.size=5", "env.prompt_format=no_think", "env.render_mode=text", "sft.lr=1e-4",
+                   "env.max_actions_per_turn=2", "rollout.max_turns=4"]:
+        assert sft.cache_key(load_config("frozenlake_visual", [change]), tmp_path, "teacher") != key, change
+    assert sft.cache_key(cfg, tmp_path, "solver") != key
+    assert sft.cache_key(cfg, tmp_path / "other", "teacher") != key
+
+
+def test_responses_longer_than_generation_allows_are_refused(tiny_text):
+    _, model, processor = tiny_text
+    cfg = load_config("frozenlake_text", ["rollout.max_new_tokens=8"])
+    train, _ = sft.demo_sets(load_config("frozenlake_text", SMALL), "teacher")
+    with pytest.raises(ValueError, match="raise rollout.max_new_tokens"):
+        sft.demo_samples(train[:2], cfg, ChatEncoder(processor), model)
+
+
+def test_unknown_warm_start_names_the_choices():
+    from vagen.config import ConfigError
+
+    with pytest.raises(ConfigError, match="none, teacher, solver"):
+        load_config("frozenlake_text", ["model.warm_start=teachr"])

@@ -1,0 +1,294 @@
+"""Demonstrations for a supervised warm start: multi-turn episodes played by a scripted policy (the
+env's imperfect `teacher_action` or its optimal `solve()`), written in the env's own response format
+with short reasoning derived from the state.
+
+    demos = collect_demos(cfg.env, "teacher", n=2000, max_turns=3, exclude=eval_level_keys(cfg.env, 1024))
+    episodes = [demo_episode(d, make_env(cfg.env), encoder) for d in demos]   # token layout of `rollout`
+
+A `Demo` holds text only (responses, rewards, success); `demo_episode` replays it through a fresh
+env and builds the `Episode` exactly as `vagen.rollout.rollout` does, so SFT trains on the token
+sequence RL later samples. Levels are identified by the env's `state()` at reset (not the seed):
+duplicates are dropped and levels of evaluation seeds are never demonstrated.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from envs_visual.base import PROMPT_FORMATS
+from vagen.rollout import ChatEncoder, Episode, Turn, eval_seeds, make_env
+
+POLICIES = ("teacher", "solver", "random")  # random: a baseline, not for warm starts
+
+
+@dataclass
+class Demo:
+    """One demonstrated episode: the responses given and what the env returned for them."""
+
+    seed: int
+    level: str  # level identity (the env's state at reset, as JSON)
+    responses: list[str] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    success: bool = False
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(self.rewards))
+
+
+def level_key(env) -> str:
+    """Identity of the current level: the env's plain-data state as canonical JSON."""
+    return json.dumps(env.state(), sort_keys=True, default=list)
+
+
+def eval_level_keys(cfg_env, n: int) -> set[str]:
+    """Level identities of the first `n` evaluation seeds (`vagen.rollout.eval_seeds`)."""
+    env = make_env(cfg_env, {"render_mode": "text"})
+    keys = set()
+    for seed in eval_seeds(n):
+        env.reset(seed=seed)
+        keys.add(level_key(env))
+    return keys
+
+
+def distinct_eval_seeds(cfg_env, n: int, max_draws: int | None = None) -> list[int]:
+    """The first `n` evaluation seeds whose levels differ from each other (small maps repeat)."""
+    env = make_env(cfg_env, {"render_mode": "text"})
+    seeds, seen = [], set()
+    offset = 0
+    max_draws = max_draws or 20 * n
+    while len(seeds) < n:
+        if offset >= max_draws:
+            raise RuntimeError(f"only {len(seeds)} distinct {cfg_env.name} levels among {max_draws} evaluation "
+                               f"seeds, {n} requested; ask for fewer or use larger levels")
+        seed = eval_seeds(1, offset)[0]
+        offset += 1
+        env.reset(seed=seed)
+        key = level_key(env)
+        if key not in seen:
+            seen.add(key)
+            seeds.append(seed)
+    return seeds
+
+
+# -- reasoning ----------------------------------------------------------------------------------------
+
+def _relative(dr: int, dc: int, rng: np.random.Generator) -> str:
+    """`2 rows down and 1 column right` (or the terser `2 down and 1 right`)."""
+    terse = bool(rng.integers(2))
+    parts = []
+    if dr:
+        unit = "" if terse else (" row" if abs(dr) == 1 else " rows")
+        parts.append(f"{abs(dr)}{unit} {'down' if dr > 0 else 'up'}")
+    if dc:
+        unit = "" if terse else (" column" if abs(dc) == 1 else " columns")
+        parts.append(f"{abs(dc)}{unit} {'right' if dc > 0 else 'left'}")
+    return (" and " if not terse else ", ").join(parts) if parts else "here"
+
+
+_SIDES = {(-1, 0): ("above", "above me"), (1, 0): ("below", "below me"), (0, -1): ("left", "to my left"),
+          (0, 1): ("right", "to my right")}
+
+
+def _decision(actions: list[str], verb: str, rng: np.random.Generator) -> str:
+    """The first move only: the answer lists them all, and responses must stay short."""
+    first = actions[0].lower()
+    return [f"I {verb} {first}.", f"So I {verb} {first}.", f"{actions[0]} first."][int(rng.integers(3))]
+
+
+def frozenlake_reasoning(state: dict, actions: list[str], rng: np.random.Generator) -> dict[str, str]:
+    """Where the goal is relative to the player, which neighbours are holes, the next move."""
+    (r, c), (gr, gc) = state["player"], state["goal"]
+    holes = {tuple(h) for h in state["holes"]}
+    near = [sides for (dr, dc), sides in _SIDES.items() if (r + dr, c + dc) in holes]
+    goal = f"The goal is {_relative(gr - r, gc - c, rng)}." if rng.integers(2) else \
+        f"Goal {_relative(gr - r, gc - c, rng)}."
+    if len(near) == 1:
+        danger = f"Hole {near[0][1]}." if rng.integers(2) else f"A hole is {near[0][1]}."
+    elif near:
+        danger = f"Holes {' and '.join(side for side, _ in near)}."
+    else:
+        danger = "No hole near." if rng.integers(2) else ""
+    observation = f"I am at row {r}, column {c}; the goal is at row {gr}, column {gc}."
+    reasoning = " ".join(p for p in (goal, danger, _decision(actions, "go", rng)) if p)
+    return {"observation": observation, "reasoning": reasoning}
+
+
+def sokoban_reasoning(state: dict, actions: list[str], rng: np.random.Generator) -> dict[str, str]:
+    """Where the nearest box off target is relative to the player and its target relative to the box."""
+    r, c = state["player"]
+    targets = set(map(tuple, state["targets"]))
+    loose = [tuple(b) for b in state["boxes"] if tuple(b) not in targets] or [tuple(b) for b in state["boxes"]]
+    box = min(loose, key=lambda b: abs(b[0] - r) + abs(b[1] - c))
+    free = [t for t in targets if t not in set(map(tuple, state["boxes"]))] or sorted(targets)
+    target = min(free, key=lambda t: abs(t[0] - box[0]) + abs(t[1] - box[1]))
+    where_box = _relative(box[0] - r, box[1] - c, rng)
+    where_target = _relative(target[0] - box[0], target[1] - box[1], rng)
+    if rng.integers(2):
+        text = f"The box is {where_box}; the target is {where_target} of it."
+    else:
+        text = f"Box {where_box}, target {where_target} of it."
+    verb = "push" if _pushes(state, actions[0]) else "go"
+    observation = f"I am at row {r}, column {c}; the box is at row {box[0]}, column {box[1]}."
+    return {"observation": observation, "reasoning": f"{text} {_decision(actions, verb, rng)}"}
+
+
+def _pushes(state: dict, action: str) -> bool:
+    dr, dc = {"Up": (-1, 0), "Down": (1, 0), "Left": (0, -1), "Right": (0, 1)}[action]
+    r, c = state["player"]
+    return (r + dr, c + dc) in set(map(tuple, state["boxes"]))
+
+
+REASONING = {"frozenlake": frozenlake_reasoning, "sokoban": sokoban_reasoning}
+
+
+def reasoning(env_name: str, state: dict, actions: list[str], rng: np.random.Generator) -> dict[str, str]:
+    """Fields of the <think> block for `actions` taken in `state` of grid env `env_name`."""
+    if env_name not in REASONING:
+        raise ValueError(f"no demonstrations for env {env_name!r}: reasoning is written for "
+                         f"{', '.join(REASONING)}; use one of them or add a <name>_reasoning to vagen/demos.py")
+    return REASONING[env_name](state, actions, rng)
+
+
+def _prediction(env_name: str, after: dict, success: bool) -> str:
+    if success:
+        return "I am on the goal." if env_name == "frozenlake" else "The box is on the target."
+    r, c = after["player"]
+    return f"I am at row {r}, column {c}."
+
+
+def format_response(prompt_format: str, fields: dict[str, str], actions: list[str]) -> str:
+    """A response in `prompt_format` (see envs_visual.base.PROMPT_FORMATS) answering `actions`."""
+    inner = PROMPT_FORMATS[prompt_format]
+    answer = f"<answer>{', '.join(actions)}</answer>"
+    if inner is None:
+        return f"<think>{fields['reasoning']}</think>{answer}"
+    if inner == ():
+        return answer
+    return "<think>" + "".join(f"<{n}>{fields[n]}</{n}>" for n in inner) + "</think>" + answer
+
+
+# -- playing ------------------------------------------------------------------------------------------
+
+def _shadow(env):
+    """A copy of `env` that only tracks the state: no sprites, text render, answer-only format."""
+    sim = copy.copy(env)
+    sim.__dict__ = {k: (None if k == "_sheet" else copy.deepcopy(v)) for k, v in env.__dict__.items()}
+    sim.render_mode, sim.prompt_format = "text", "no_think"
+    return sim
+
+
+def _plan(env, policy: str, rng: np.random.Generator) -> tuple[list[str], dict, bool]:
+    """Up to `max_actions_per_turn` actions from the env's current state, simulated on a shadow copy;
+    returns (actions, state after them, success after them)."""
+    sim = _shadow(env)
+    if policy == "solver":
+        # no path (e.g. a slip into a dead end): one action keeps the response well-formed
+        wanted = (env.solve() or [env.action_names[0]])[: env.max_actions_per_turn]
+    elif policy == "random":
+        count = int(rng.integers(1, env.max_actions_per_turn + 1))
+        wanted = [env.action_names[int(i)] for i in rng.integers(len(env.action_names), size=count)]
+    else:
+        teacher = importlib.import_module(type(env).__module__).teacher_action
+    actions, success = [], False
+    for i in range(env.max_actions_per_turn):
+        if policy != "teacher":
+            if i == len(wanted):
+                break
+            action = wanted[i]
+        else:
+            action = teacher(sim.state(), rng)
+        actions.append(action)
+        _, _, terminated, truncated, info = sim.step(f"<answer>{action}</answer>")
+        success = bool(info["success"])
+        if terminated or truncated:
+            break
+    return actions, sim.state(), success
+
+
+def play_demo(env, seed: int, policy: str, max_turns: int) -> Demo:
+    """Play one episode of `policy` (teacher | solver) on `env` from `seed`."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown demonstration policy {policy!r}; choices: {', '.join(POLICIES)}")
+    env.reset(seed=seed)
+    demo = Demo(seed, level_key(env))
+    rng = np.random.default_rng([seed, 7])
+    for _ in range(max_turns):
+        state = env.state()
+        actions, after, success = _plan(env, policy, rng)
+        fields = reasoning(env.name, state, actions, rng)
+        fields["prediction"] = _prediction(env.name, after, success)
+        response = format_response(env.prompt_format, fields, actions)
+        _, reward, terminated, truncated, info = env.step(response)
+        assert info["format_ok"], f"demonstration response does not parse: {response!r}"
+        demo.responses.append(response)
+        demo.rewards.append(float(reward))
+        demo.success = bool(info["success"])
+        if terminated or truncated:
+            break
+    return demo
+
+
+def collect_demos(cfg_env, policy: str, n: int, max_turns: int, exclude: set[str] = frozenset(),
+                  start_seed: int = 0, max_draws: int | None = None) -> list[Demo]:
+    """`n` demonstrations on distinct levels from training seeds `start_seed, start_seed + 1, …`,
+    skipping levels in `exclude` (e.g. `eval_level_keys`). Played in text render mode (same levels,
+    same dynamics, no frames drawn)."""
+    env = make_env(cfg_env, {"render_mode": "text"})
+    demos, seen = [], set(exclude)
+    seed = start_seed
+    max_draws = max_draws or 50 * n
+    while len(demos) < n:
+        if seed - start_seed >= max_draws:
+            raise RuntimeError(f"only {len(demos)} new distinct {cfg_env.name} levels in {max_draws} seeds from "
+                               f"{start_seed}, {n} requested; ask for fewer demonstrations or use larger levels")
+        env.reset(seed=seed)
+        key = level_key(env)
+        if key not in seen:
+            seen.add(key)
+            demos.append(play_demo(env, seed, policy, max_turns))
+        seed += 1
+    return demos
+
+
+def scripted_success(cfg_env, policy: str, seeds: list[int], max_turns: int) -> dict[str, float]:
+    """Success rate and mean return of a scripted policy on `seeds` (one episode each)."""
+    env = make_env(cfg_env, {"render_mode": "text"})
+    demos = [play_demo(env, seed, policy, max_turns) for seed in seeds]
+    successes = sum(d.success for d in demos)
+    return {"success": successes / len(demos), "return": sum(d.total_reward for d in demos) / len(demos),
+            "successes": successes, "n": len(demos)}
+
+
+def demo_episode(demo: Demo, env, encoder: ChatEncoder, group_id: int = 0) -> Episode:
+    """Replay `demo` through `env` (fresh, same params in any render mode) into an `Episode` built
+    exactly as `rollout` builds one; raises if the env returns different rewards than recorded."""
+    obs, _ = env.reset(seed=demo.seed)
+    episode = Episode(env.name, demo.seed, group_id, env.system_prompt(), initial_observation=obs)
+    for turn, (response, recorded) in enumerate(zip(demo.responses, demo.rewards)):
+        ids, pixel_values, grids = encoder.user_segment(obs.text, obs.images, first=turn == 0,
+                                                        system=episode.system_prompt)
+        episode.input_ids += ids
+        episode.pixel_values += pixel_values
+        episode.image_grid_thw += grids
+        generated, text = encoder.finish_response(encoder.encode_text(response))
+        assert text == response, f"response does not survive tokenisation: {response!r} -> {text!r}"
+        start = len(episode.input_ids)
+        episode.input_ids += generated
+        next_obs, reward, terminated, truncated, info = env.step(text)
+        if reward != recorded:
+            raise RuntimeError(f"replaying seed {demo.seed} turn {turn}: reward {reward} but the demonstration "
+                               f"recorded {recorded}; the env params differ from those the demos were made with")
+        episode.turns.append(Turn(obs.text, obs.images, text, reward, info, (start, len(episode.input_ids)),
+                                  len(generated)))
+        episode.success = bool(info.get("success", False))
+        obs = next_obs
+        if terminated or truncated:
+            break
+    episode.done = True
+    return episode

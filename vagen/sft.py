@@ -1,0 +1,351 @@
+"""Supervised warm start: fine-tune a policy on scripted demonstrations (vagen.demos) through the
+same tokenisation, masks and DeepSpeed engine as RL, with the loss on generated tokens only.
+
+    python -m vagen.sft --config frozenlake_visual [--out DIR] [--eval 256] [section.key=value ...]
+
+Training runs until the answer accuracy on held-out demonstrations (teacher forcing: a turn counts
+when every token of its `<answer>…</answer>` is the model's argmax) stops improving, so the warm
+start is the demonstrator learned well. `warm_start_checkpoint(cfg, base_path, dist)` returns the
+cached checkpoint for `model.warm_start` (building it on first use), or `base_path` when it is none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+# Bump when demonstrations or training change in a way the cache key does not see.
+VERSION = 1
+STATE_FILE = "vagen_warm_start.json"
+
+
+# -- data ---------------------------------------------------------------------------------------------
+
+def demo_sets(cfg, policy: str):
+    """(train, validation) demonstrations on distinct levels, none of them an evaluation level."""
+    from vagen.demos import collect_demos, eval_level_keys
+
+    exclude = eval_level_keys(cfg.env, cfg.sft.exclude_eval)
+    demos = collect_demos(cfg.env, policy, cfg.sft.demos + cfg.sft.val_demos, cfg.rollout.max_turns, exclude)
+    return demos[: cfg.sft.demos], demos[cfg.sft.demos:]
+
+
+def demo_samples(demos, cfg, encoder, model) -> list:
+    """Training samples (`vagen.trajectory.Sample`) of the demonstrations, built as `rollout` would."""
+    from vagen.demos import demo_episode
+    from vagen.rollout import make_env
+    from vagen.trajectory import episode_to_sample
+
+    env = make_env(cfg.env)
+    samples = []
+    for i, demo in enumerate(demos):
+        episode = demo_episode(demo, env, encoder, group_id=i)
+        longest = max(t.response_length for t in episode.turns) - 1  # without the closing <|im_end|>
+        if longest > cfg.rollout.max_new_tokens:
+            raise ValueError(
+                f"a demonstration response has {longest} tokens but rollout.max_new_tokens="
+                f"{cfg.rollout.max_new_tokens}, so RL could never sample it; raise rollout.max_new_tokens to "
+                f"{longest} or more, or use a shorter env.prompt_format (now {cfg.env.prompt_format})")
+        samples.append(episode_to_sample(episode, encoder, model))
+    return samples
+
+
+# -- training -----------------------------------------------------------------------------------------
+
+def masked_logits(model, batch, device):
+    """Logits that predict generated tokens, via `logits_to_keep` (the language-model head over
+    every position costs as much as the rest of the tiny model). Returns (logits [B, K, V],
+    targets [B, K], mask [B, K]) for the K positions after which some row has a generated token."""
+    from vagen.trajectory import model_inputs
+
+    inputs = model_inputs(batch, device)
+    wanted = batch["loss_mask"][:, 1:].any(0).nonzero().squeeze(-1)  # position t predicts token t + 1
+    logits = model(**inputs, use_cache=False, logits_to_keep=wanted.to(device)).logits
+    targets = batch["input_ids"][:, wanted + 1].to(device)
+    mask = batch["loss_mask"][:, wanted + 1].to(device)
+    return logits, targets, mask
+
+
+def nll_loss(model, batch, device) -> torch.Tensor:
+    """Token-mean negative log-likelihood of the generated tokens of `batch`."""
+    from vagen import core
+
+    logits, targets, mask = masked_logits(model, batch, device)
+    logprobs = core.logprobs_from_logits(logits.float(), targets)
+    return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def answer_accuracy(model, samples, pad_id: int, device, micro_batch_size: int = 16) -> dict[str, float]:
+    """Teacher-forced held-out metrics: share of turns whose whole answer is the argmax, and the
+    mean negative log-likelihood of generated tokens."""
+    from vagen import core
+    from vagen.trajectory import collate
+    from vagen.update import chunks
+
+    was_training = model.training
+    model.eval()
+    correct = turns = 0
+    nll = tokens = 0.0
+    for group in chunks(samples, micro_batch_size):
+        batch = collate(group, pad_id)
+        logits, targets, mask = masked_logits(model, batch, device)
+        nll += float(-(core.logprobs_from_logits(logits.float(), targets) * mask).sum())
+        tokens += float(mask.sum())
+        wanted = batch["loss_mask"][:, 1:].any(0).nonzero().squeeze(-1) + 1
+        hit = torch.zeros(batch["input_ids"].shape, dtype=torch.bool)
+        hit[:, wanted] = (logits.argmax(-1) == targets).cpu()
+        for row, sample in enumerate(group):
+            turn_ids = torch.cumsum(sample.turn_end_mask, 0) - sample.turn_end_mask  # turn index of each token
+            answer = sample.answer_mask > 0
+            for k in range(int(sample.turn_end_mask.sum())):
+                sel = answer & (turn_ids == k)
+                turns += 1
+                correct += bool(hit[row, : sample.length][sel].all()) and bool(sel.any())
+    model.train(was_training)
+    return {"sft/val_answer_accuracy": correct / max(turns, 1), "sft/val_nll": nll / max(tokens, 1.0)}
+
+
+def sft_engine(model, cfg, dist):
+    """The RL DeepSpeed engine factory (`vagen.train.make_engine`) with the SFT batch sizes."""
+    from vagen.train import make_engine
+
+    sft = cfg.sft
+    train = dataclasses.replace(cfg.train, mini_batch_size=sft.batch_size, micro_batch_size=sft.micro_batch_size,
+                                warmup_steps=sft.warmup_steps)
+    return make_engine(model, types.SimpleNamespace(train=train), sft.lr, dist)
+
+
+def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=print, seed: int = 0,
+              max_steps: int | None = None, min_steps: int | None = None, time_budget_s: float | None = None,
+              on_check=None) -> dict[str, float]:
+    """Optimizer steps of the token-mean NLL of generated tokens on random batches of `train_samples`
+    until held-out answer accuracy stops improving (or `max_steps` / `time_budget_s`). Returns stats;
+    `on_check(step, metrics)` is called at every check."""
+    from vagen.trajectory import collate
+    from vagen.update import chunks
+
+    sft = cfg.sft
+    max_steps = sft.max_steps if max_steps is None else max_steps
+    min_steps = sft.min_steps if min_steps is None else min_steps
+    generator = torch.Generator().manual_seed(seed)
+    best, stale, step = -1.0, 0, 0
+    t0 = time.perf_counter()
+    metrics: dict[str, float] = {}
+    losses = []
+    engine.module.train()
+    while step < max_steps:
+        picked = torch.randint(len(train_samples), (sft.batch_size,), generator=generator).tolist()
+        for group in chunks(picked, sft.micro_batch_size):
+            loss = nll_loss(engine, collate([train_samples[i] for i in group], pad_id), device)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        step += 1
+        out_of_time = time_budget_s is not None and time.perf_counter() - t0 >= time_budget_s
+        if step % sft.check_every == 0 or step == max_steps or out_of_time:
+            metrics = answer_accuracy(engine.module, val_samples, pad_id, device, sft.micro_batch_size)
+            metrics.update({"sft/step": step, "sft/train_nll": sum(losses) / len(losses),
+                            "sft/seconds": time.perf_counter() - t0})
+            losses = []
+            log(" ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            if on_check is not None:
+                on_check(step, metrics)
+            accuracy = metrics["sft/val_answer_accuracy"]
+            if accuracy > best + 0.002:
+                best, stale = accuracy, 0
+            else:
+                stale += 1
+            if (step >= min_steps and stale >= sft.patience) or accuracy >= 1.0:
+                break
+        if out_of_time:
+            break
+    metrics["sft/steps_per_second"] = step / max(time.perf_counter() - t0, 1e-9)
+    return metrics
+
+
+# -- held-out evaluation ----------------------------------------------------------------------------
+
+def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, batch: int = 64) -> dict[str, float]:
+    """Success, return and format rate of `model` on `seeds` (one episode each), greedy or sampled
+    with `rollout.temperature`; `successes` counts for `wilson_interval`."""
+    from vagen.rollout import rollout, rollout_metrics
+
+    model.eval()
+    episodes = []
+    for start in range(0, len(seeds), batch):
+        played, _ = rollout(model, encoder, cfg, seeds[start:start + batch], 1, do_sample=do_sample)
+        episodes += played
+    stats = rollout_metrics(episodes)
+    return {"success": stats["rollout/success"], "return": stats["rollout/reward_mean"],
+            "format_ok": stats["rollout/format_ok"], "successes": sum(ep.success for ep in episodes),
+            "n": len(episodes)}
+
+
+# -- the cached warm start ----------------------------------------------------------------------------
+
+def cache_key(cfg, base_path: Path, policy: str) -> str:
+    """Hash of everything the warm start depends on."""
+    env = cfg.env
+    parts = [VERSION, Path(base_path).name, policy, env.name, env.params, env.prompt_format, env.render_mode,
+             env.max_actions_per_turn, cfg.rollout.max_turns, cfg.model.min_pixels, cfg.model.max_pixels,
+             cfg.model.dtype, dataclasses.asdict(cfg.sft)]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def warm_start_dir(cfg, base_path: Path, policy: str) -> Path:
+    root = Path(os.path.expanduser(cfg.model.builtin_cache)) / "warm_start"
+    return root / f"{Path(base_path).name}-{cfg.env.name}-{policy}-{cache_key(cfg, base_path, policy)}"
+
+
+def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=print) -> dict[str, float]:
+    """SFT `base_path` on `policy`'s demonstrations and save the result (HF format) to `out`."""
+    from vagen.models import load_policy, set_pixel_bounds
+    from vagen.rollout import ChatEncoder
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model, processor = load_policy(Path(base_path), cfg.model.dtype)
+    encoder = ChatEncoder(processor)
+    if cfg.model.min_pixels or cfg.model.max_pixels:
+        set_pixel_bounds(processor, cfg.model.min_pixels, cfg.model.max_pixels)
+    train_demos, val_demos = demo_sets(cfg, policy)
+    train_samples = demo_samples(train_demos, cfg, encoder, model)
+    val_samples = demo_samples(val_demos, cfg, encoder, model)
+    data_s = time.perf_counter() - t0
+    log(f"warm start: {len(train_samples)} {policy} demonstrations ({sum(d.success for d in train_demos)} "
+        f"successful) in {data_s:.1f}s; training on {dist.device}")
+    engine = sft_engine(model, cfg, dist)
+    stats = train_sft(engine, train_samples, val_samples, cfg, encoder.pad_id, dist.device, log=log)
+    stats.update({"sft/data_seconds": data_s, "sft/build_seconds": time.perf_counter() - t0,
+                  "sft/demo_success": sum(d.success for d in train_demos) / len(train_demos)})
+    out = Path(out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    engine.module.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    (tmp / STATE_FILE).write_text(json.dumps({"base": str(base_path), "policy": policy, "version": VERSION,
+                                              "sft": dataclasses.asdict(cfg.sft), **stats}, indent=1))
+    if out.exists():  # a stale partial directory; the lock guarantees nobody else is writing it
+        import shutil
+
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    log(f"warm start saved to {out} ({stats['sft/build_seconds']:.0f}s)")
+    return stats
+
+
+def _section_yaml(cfg) -> str:
+    import yaml
+
+    from vagen.config import SECTIONS
+
+    return yaml.safe_dump({s: cfg.to_dict()[s] for s in SECTIONS}, sort_keys=False)
+
+
+def warm_start_checkpoint(cfg, base_path: Path, dist) -> Path:
+    """The checkpoint RL starts from: `base_path` when `model.warm_start=none`, else the cached SFT
+    checkpoint of `base_path` on the chosen demonstrations, built on first use by one process under a
+    file lock (rank 0; with several ranks it builds in a single-process child while the others wait)."""
+    policy = cfg.model.warm_start
+    if policy == "none":
+        return Path(base_path)
+    from vagen.models import _file_lock
+
+    out = warm_start_dir(cfg, base_path, policy)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if dist.rank == 0:
+        with _file_lock(out.parent / f".{out.name}.lock"):
+            if not (out / STATE_FILE).exists():
+                if dist.world_size == 1:
+                    build_warm_start(cfg, base_path, out, policy, dist)
+                else:
+                    _build_in_child(cfg, base_path, out)
+    if dist.active:
+        torch.distributed.barrier()
+    if not (out / STATE_FILE).exists():
+        raise RuntimeError(f"the warm start {out} was not built; see the log of rank 0, or build it alone with "
+                           f"`python -m vagen.sft --config <config> --out {out}`")
+    return out
+
+
+def _build_in_child(cfg, base_path: Path, out: Path) -> None:
+    """Build in a process group of one (DeepSpeed's initialisation is collective over all ranks)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
+        handle.write(_section_yaml(cfg))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    command = [sys.executable, "-m", "vagen.sft", "--config", handle.name, "--base", str(base_path), "--out", str(out)]
+    result = subprocess.run(command, env=env)
+    os.unlink(handle.name)
+    if result.returncode != 0:
+        raise RuntimeError(f"building the warm start failed (exit {result.returncode}): {' '.join(command)}")
+
+
+# -- command line -------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="name in configs/ or path of a YAML file")
+    parser.add_argument("--policy", default=None, help="teacher | solver (default: model.warm_start, else teacher)")
+    parser.add_argument("--base", default=None, help="checkpoint to fine-tune (default: model.path resolved)")
+    parser.add_argument("--out", default=None, help="output directory (default: the warm-start cache entry)")
+    parser.add_argument("--eval", type=int, default=0, help="then evaluate on N distinct held-out levels")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(argv)
+    from vagen.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    policy = args.policy or (cfg.model.warm_start if cfg.model.warm_start != "none" else "teacher")
+    from vagen.models import resolve_model_path
+    from vagen.train import init_distributed
+
+    dist = init_distributed()
+    base = Path(args.base) if args.base else resolve_model_path(cfg.model.path, cfg.model.builtin_cache,
+                                                                  seed=cfg.train.seed)
+    out = Path(args.out) if args.out else warm_start_dir(cfg, base, policy)
+    build_warm_start(cfg, base, out, policy, dist)
+    if args.eval:
+        report(cfg, out, args.eval)
+    return 0
+
+
+def report(cfg, checkpoint: Path, n: int) -> dict:
+    """Held-out greedy and sampled success of `checkpoint` next to the teacher's, solver's and a
+    random policy's on the same distinct evaluation levels."""
+    from vagen.demos import distinct_eval_seeds, scripted_success
+    from vagen.models import load_policy
+    from vagen.rollout import ChatEncoder, wilson_interval
+
+    seeds = distinct_eval_seeds(cfg.env, n)
+    model, processor = load_policy(checkpoint, cfg.model.dtype)
+    encoder = ChatEncoder(processor)
+    rows = {}
+    for name, sample in (("sft greedy", False), ("sft sampled", True)):
+        rows[name] = held_out_metrics(model, encoder, cfg, seeds, do_sample=sample)
+    for policy in ("teacher", "solver", "random"):
+        rows[policy] = scripted_success(cfg.env, policy, seeds, cfg.rollout.max_turns)
+    for name, row in rows.items():
+        low, high = wilson_interval(row["successes"], row["n"])
+        print(f"{name:12s} success {row['success']:.3f} [{low:.3f}, {high:.3f}]  return {row['return']:.3f}  "
+              f"format_ok {row.get('format_ok', 1.0):.3f}  (n={row['n']})", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
