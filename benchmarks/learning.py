@@ -1,0 +1,269 @@
+"""Does RL make a warm-started agent better than what it imitated?
+
+From the SFT warm start on the teacher's demonstrations, trains TRICO (turn_gae + entropy token
+selection), PPO (gae, all tokens) and GRPO for `--minutes` CPU-minutes each (per training seed),
+and a control that spends the same CPU time on more SFT on the teacher's data. Every method is
+evaluated on the same distinct held-out levels (greedy and sampled, 95% Wilson intervals) next to
+the teacher, the solver and a random policy. Writes results.json, table.md and learning.png.
+
+    python benchmarks/learning.py                       # full: hours of CPU
+    python benchmarks/learning.py --quick               # 64 levels, 1 seed, 5 minutes per method
+    python benchmarks/learning.py --smoke               # a couple of minutes: proves the pipeline runs
+
+CPU-minutes count the training process's CPU time (all threads), evaluation excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ENVS = {"frozenlake": "frozenlake_visual", "sokoban": "sokoban_visual"}
+METHODS = {
+    "TRICO": ["algo.adv_estimator=turn_gae", "algo.token_selection=entropy"],
+    "PPO": ["algo.adv_estimator=gae", "algo.token_selection=all"],
+    "GRPO": ["algo.adv_estimator=grpo", "algo.token_selection=all"],
+}
+# Targets of the issue, checked at the end: (env, points over the teacher, absolute floor).
+TARGETS = {"frozenlake": (0.15, 0.90), "sokoban": (0.10, 0.0)}
+SMOKE = ["sft.demos=24", "sft.val_demos=4", "sft.exclude_eval=16", "sft.max_steps=4", "sft.min_steps=0",
+         "sft.check_every=2", "sft.batch_size=4", "sft.micro_batch_size=4", "rollout.env_groups=2",
+         "rollout.group_size=2", "rollout.max_turns=2", "rollout.max_new_tokens=48", "train.mini_batch_size=4",
+         "train.micro_batch_size=2"]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--envs", nargs="+", default=list(ENVS), choices=list(ENVS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS) + ["more-SFT"],
+                        choices=list(METHODS) + ["more-SFT"])
+    parser.add_argument("--minutes", type=float, default=30.0, help="CPU-minutes of training per method and seed")
+    parser.add_argument("--seeds", type=int, default=3, help="training seeds per method")
+    parser.add_argument("--eval-n", type=int, default=256, help="distinct held-out levels")
+    parser.add_argument("--eval-every", type=int, default=10, help="RL iterations between evaluations")
+    parser.add_argument("--sft-steps-per-eval", type=int, default=100, help="control: SFT steps between evaluations")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (leave a core to others)")
+    parser.add_argument("--quick", action="store_true", help="64 levels, 1 seed, 5 CPU-minutes per method")
+    parser.add_argument("--smoke", action="store_true", help="tiny everything: checks that the pipeline runs")
+    parser.add_argument("--out", default="runs/benchmark_learning")
+    parser.add_argument("overrides", nargs="*", help="section.key=value for every run (e.g. train.actor_lr=5e-5)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.eval_n, args.seeds, args.minutes = min(args.eval_n, 64), 1, min(args.minutes, 5.0)
+    if args.smoke:
+        args.eval_n, args.seeds, args.minutes, args.eval_every, args.sft_steps_per_eval = 8, 1, 0.1, 1, 2
+        args.overrides = SMOKE + args.overrides
+    return args
+
+
+def evaluate(checkpoint, cfg, seeds) -> dict:
+    from vagen.models import load_policy
+    from vagen.rollout import ChatEncoder
+    from vagen.sft import held_out_metrics
+
+    model, processor = load_policy(Path(checkpoint), cfg.model.dtype)
+    encoder = ChatEncoder(processor)
+    return {"greedy": held_out_metrics(model, encoder, cfg, seeds, do_sample=False),
+            "sampled": held_out_metrics(model, encoder, cfg, seeds, do_sample=True)}
+
+
+def run_rl(name, overrides, warm_start, cfg_name, seed, args, seeds, out: Path, cfg) -> list[dict]:
+    """RL in chunks of `--eval-every` iterations (resumed from the last checkpoint) until the
+    CPU budget is spent; evaluates after each chunk."""
+    from vagen.train import main as train_main
+
+    run_name = f"{cfg_name}-{name}-seed{seed}"
+    curve, cpu, iterations = [], 0.0, 0
+    base = [f"model.path={warm_start}", f"train.seed={seed}", f"train.run_dir={out / 'runs'}",
+            f"train.run_name={run_name}", f"train.save_every={args.eval_every}", "log.progress=false",
+            "log.tensorboard=false", *args.overrides, *overrides]
+    while cpu < args.minutes * 60:
+        iterations += args.eval_every
+        resume = ["train.resume=auto"] if iterations > args.eval_every else []
+        start = time.process_time()
+        code = train_main(["--config", cfg_name, *base, f"train.iterations={iterations}", *resume])
+        cpu += time.process_time() - start
+        if code != 0:
+            raise RuntimeError(f"{run_name}: training exited with {code}")
+        checkpoint = out / "runs" / run_name / "checkpoints" / f"step_{iterations}" / "actor"
+        point = {"iteration": iterations, "cpu_minutes": cpu / 60, **evaluate(checkpoint, cfg, seeds)}
+        curve.append(point)
+        print(f"  {name} seed {seed} it {iterations} cpu {cpu / 60:.2f} min  greedy "
+              f"{point['greedy']['success']:.3f} sampled {point['sampled']['success']:.3f}", flush=True)
+    return curve
+
+
+def run_more_sft(warm_start, cfg, seed, args, seeds, dist) -> list[dict]:
+    """The control: the same CPU time spent on more SFT on the teacher's demonstrations."""
+    from vagen import sft
+    from vagen.models import load_policy
+    from vagen.rollout import ChatEncoder
+
+    model, processor = load_policy(Path(warm_start), cfg.model.dtype)
+    encoder = ChatEncoder(processor)
+    train, val = sft.demo_sets(cfg, "teacher")
+    train_samples = sft.demo_samples(train, cfg, encoder, model)
+    val_samples = sft.demo_samples(val, cfg, encoder, model)
+    engine = sft.sft_engine(model, cfg, dist)
+    curve, cpu, steps, chunk = [], 0.0, 0, 0
+    while cpu < args.minutes * 60:
+        start = time.process_time()
+        sft.train_sft(engine, train_samples, val_samples, cfg, encoder.pad_id, dist.device, log=lambda _: None,
+                      seed=1000 * seed + chunk, max_steps=args.sft_steps_per_eval, min_steps=args.sft_steps_per_eval)
+        cpu += time.process_time() - start
+        steps += args.sft_steps_per_eval
+        chunk += 1
+        engine.module.eval()
+        point = {"iteration": steps, "cpu_minutes": cpu / 60,
+                 "greedy": sft.held_out_metrics(engine.module, encoder, cfg, seeds, do_sample=False),
+                 "sampled": sft.held_out_metrics(engine.module, encoder, cfg, seeds, do_sample=True)}
+        curve.append(point)
+        print(f"  more-SFT seed {seed} step {steps} cpu {cpu / 60:.2f} min  greedy "
+              f"{point['greedy']['success']:.3f} sampled {point['sampled']['success']:.3f}", flush=True)
+    return curve
+
+
+def interval(row) -> str:
+    from vagen.rollout import wilson_interval
+
+    low, high = wilson_interval(row["successes"], row["n"])
+    return f"{row['success']:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def table(results) -> str:
+    lines = ["| env | method | seed | greedy success [95% CI] | sampled success [95% CI] | greedy return | "
+             "best greedy | CPU-min |", "|---|---|---|---|---|---|---|---|"]
+    for env, res in results.items():
+        for name in ("random", "teacher", "solver"):
+            row = res["baselines"][name]
+            lines.append(f"| {env} | {name} | - | {interval(row)} | - | {row['return']:.2f} | - | 0 |")
+        ws = res["warm_start"]
+        lines.append(f"| {env} | warm start (SFT) | - | {interval(ws['greedy'])} | {interval(ws['sampled'])} | "
+                     f"{ws['greedy']['return']:.2f} | - | {res['warm_start_build_minutes']:.1f} (build) |")
+        for method, curves in res["methods"].items():
+            for seed, curve in curves.items():
+                last = curve[-1]
+                best = max(p["greedy"]["success"] for p in curve)
+                lines.append(f"| {env} | {method} | {seed} | {interval(last['greedy'])} | "
+                             f"{interval(last['sampled'])} | {last['greedy']['return']:.2f} | {best:.3f} | "
+                             f"{last['cpu_minutes']:.1f} |")
+    return "\n".join(lines)
+
+
+def check_targets(results) -> list[str]:
+    """The issue's targets as PASS/FAIL lines (final points, mean over seeds)."""
+    lines = []
+    for env, res in results.items():
+        teacher = res["baselines"]["teacher"]["success"]
+        finals = {m: sum(c[-1]["greedy"]["success"] for c in curves.values()) / len(curves)
+                  for m, curves in res["methods"].items()}
+        bests = {m: sum(max(p["greedy"]["success"] for p in c) for c in curves.values()) / len(curves)
+                 for m, curves in res["methods"].items()}
+        points, floor = TARGETS[env]
+        control = finals.get("more-SFT")
+        for method in (m for m in finals if m != "more-SFT"):
+            final = finals[method]
+            ok = final >= teacher + points and final >= floor
+            lines.append(f"{env} {method}: final {final:.3f} vs teacher {teacher:.3f} + {points:.2f}"
+                         f"{f' and >= {floor:.2f}' if floor else ''}: {'PASS' if ok else 'FAIL'}")
+            if control is not None:
+                lines.append(f"{env} {method}: above more-SFT control ({control:.3f}): "
+                             f"{'PASS' if final > control else 'FAIL'}")
+            lines.append(f"{env} {method}: no collapse at the end (final >= best - 0.05, best {bests[method]:.3f}): "
+                         f"{'PASS' if final >= bests[method] - 0.05 else 'FAIL'}")
+    return lines
+
+
+def plot(results, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 4 * len(results)), squeeze=False)
+    for row, (env, res) in enumerate(results.items()):
+        for col, x_key in enumerate(("iteration", "cpu_minutes")):
+            ax = axes[row][col]
+            for method, curves in res["methods"].items():
+                if method == "more-SFT" and x_key == "iteration":
+                    continue  # SFT steps are not RL iterations
+                for i, curve in enumerate(curves.values()):
+                    xs = [0.0] + [p[x_key] for p in curve]
+                    ys = [res["warm_start"]["greedy"]["success"]] + [p["greedy"]["success"] for p in curve]
+                    ax.plot(xs, ys, label=method if i == 0 else None, color=f"C{list(res['methods']).index(method)}",
+                            alpha=0.8, marker=".")
+            for k, name in enumerate(("teacher", "solver", "random")):
+                ax.axhline(res["baselines"][name]["success"], ls="--", color=f"C{k + 5}", label=name)
+            ax.set_xlabel("RL iterations" if x_key == "iteration" else "CPU-minutes of training")
+            ax.set_ylabel("held-out greedy success")
+            ax.set_ylim(-0.02, 1.02)
+            ax.set_title(f"{env} ({res['eval_n']} distinct held-out levels)")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # init_distributed gives each rank cpu_count / LOCAL_WORLD_SIZE threads: this sets --threads.
+    os.environ["LOCAL_WORLD_SIZE"] = str(max(1, (os.cpu_count() or 1) // args.threads))
+    import torch
+
+    from vagen import sft
+    from vagen.config import load_config
+    from vagen.demos import distinct_eval_seeds, scripted_success
+    from vagen.models import resolve_model_path
+    from vagen.train import init_distributed
+
+    dist = init_distributed()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for env in args.envs:
+        cfg_name = ENVS[env]
+        cfg = load_config(cfg_name, [*args.overrides, "model.warm_start=teacher"])
+        cfg.sft.exclude_eval = max(cfg.sft.exclude_eval, args.eval_n)
+        seeds = distinct_eval_seeds(cfg.env, args.eval_n)
+        print(f"== {env}: {len(seeds)} distinct held-out levels", flush=True)
+        base = resolve_model_path(cfg.model.path, cfg.model.builtin_cache)
+        t0 = time.perf_counter()
+        warm_start = sft.warm_start_checkpoint(cfg, base, dist)
+        torch.set_num_threads(args.threads)
+        build_minutes = (time.perf_counter() - t0) / 60
+        baselines = {p: scripted_success(cfg.env, p, seeds, cfg.rollout.max_turns) for p in ("random", "teacher", "solver")}
+        res = {"eval_n": len(seeds), "baselines": baselines, "warm_start_build_minutes": build_minutes,
+               "warm_start_path": str(warm_start), "warm_start": evaluate(warm_start, cfg, seeds), "methods": {}}
+        print(f"  teacher {baselines['teacher']['success']:.3f}  solver {baselines['solver']['success']:.3f}  "
+              f"random {baselines['random']['success']:.3f}  warm start greedy "
+              f"{res['warm_start']['greedy']['success']:.3f} (built/loaded in {build_minutes:.1f} min)", flush=True)
+        for method in args.methods:
+            res["methods"][method] = {}
+            for seed in range(args.seeds):
+                if method == "more-SFT":
+                    curve = run_more_sft(warm_start, cfg, seed, args, seeds, dist)
+                else:
+                    curve = run_rl(method, METHODS[method], warm_start, cfg_name, seed, args, seeds, out, cfg)
+                    torch.set_num_threads(args.threads)
+                res["methods"][method][seed] = curve
+        results[env] = res
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
+    text = table(results)
+    targets = check_targets(results)
+    (out / "table.md").write_text(text + "\n\n" + "\n".join(targets) + "\n")
+    plot(results, out / "learning.png")
+    print(text)
+    print("\n".join(targets))
+    print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'learning.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
