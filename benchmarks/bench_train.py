@@ -103,10 +103,13 @@ def main():
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps a shared machine's noise low)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     from vagen.train import init_distributed, make_engine
 
     dist = init_distributed()
+    torch.set_num_threads(args.threads)
     cfg = load_config(args.config, [f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
                                     f"rollout.max_new_tokens={args.max_new_tokens}", "algo.adv_estimator=grpo",
                                     "train.mini_batch_size=8", "train.micro_batch_size=4"])
