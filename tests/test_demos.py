@@ -3,14 +3,13 @@ import pytest
 import torch
 
 import envs_visual
-from envs_visual.base import PROMPT_FORMATS
+from envs_visual.base import PROMPT_FORMATS, format_response
 from vagen.config import load_config
 from vagen.demos import (
     collect_demos,
     demo_episode,
     distinct_eval_seeds,
     eval_level_keys,
-    format_response,
     frozenlake_reasoning,
     level_key,
     play_demo,
@@ -90,7 +89,7 @@ def test_reasoning_is_derived_from_the_state_and_varied():
     box_state = {"size": (6, 6), "player": (3, 3), "boxes": [(2, 3)], "targets": [(1, 3)], "walls": []}
     text = sokoban_reasoning(box_state, ["Up"], np.random.default_rng(0))["reasoning"]
     assert ("1 row up" in text or "1 up" in text) and "push up" in text.lower() or "Up first" in text, text
-    assert format_response("no_think", {}, ["Up", "Left"]) == "<answer>Up, Left</answer>"
+    assert format_response("no_think", "Up, Left", {}) == "<answer>Up, Left</answer>"
 
 
 def test_different_levels_get_different_reasoning():

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from envs_visual.base import PROMPT_FORMATS
+from envs_visual.base import format_response
 from vagen.rollout import ChatEncoder, Episode, Turn, eval_seeds, make_env
 
 POLICIES = ("teacher", "solver", "random")  # random: a baseline, not for warm starts
@@ -162,17 +162,6 @@ def _prediction(env_name: str, after: dict, success: bool) -> str:
     return f"I am at row {r}, column {c}."
 
 
-def format_response(prompt_format: str, fields: dict[str, str], actions: list[str]) -> str:
-    """A response in `prompt_format` (see envs_visual.base.PROMPT_FORMATS) answering `actions`."""
-    inner = PROMPT_FORMATS[prompt_format]
-    answer = f"<answer>{', '.join(actions)}</answer>"
-    if inner is None:
-        return f"<think>{fields['reasoning']}</think>{answer}"
-    if inner == ():
-        return answer
-    return "<think>" + "".join(f"<{n}>{fields[n]}</{n}>" for n in inner) + "</think>" + answer
-
-
 # -- playing ------------------------------------------------------------------------------------------
 
 def _shadow(env):
@@ -223,7 +212,7 @@ def play_demo(env, seed: int, policy: str, max_turns: int) -> Demo:
         actions, after, success = _plan(env, policy, rng)
         fields = reasoning(env.name, state, actions, rng)
         fields["prediction"] = _prediction(env.name, after, success)
-        response = format_response(env.prompt_format, fields, actions)
+        response = format_response(env.prompt_format, ", ".join(actions), fields)
         _, reward, terminated, truncated, info = env.step(response)
         assert info["format_ok"], f"demonstration response does not parse: {response!r}"
         demo.responses.append(response)

@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     from vagen.models import ValueModel, load_policy, resolve_model_path, set_pixel_bounds
     from vagen.rollout import ChatEncoder, rollout, rollout_metrics, train_seeds
     from vagen.run import RunDir, reduce_metrics
+    from vagen.sft import warm_start_checkpoint
     from vagen.trajectory import episode_to_sample
     from vagen.update import annotate, batch_indicators, compute_advantages, ppo_update
 
@@ -50,6 +51,7 @@ def main(argv=None) -> int:
 
     # -- policy, critic, reference, engines ---------------------------------------------------------
     path = resolve_model_path(cfg.model.path, cfg.model.builtin_cache, seed=cfg.train.seed)
+    path = warm_start_checkpoint(cfg, path, dist)  # SFT on demonstrations when model.warm_start != none
     actor, processor = load_policy(path, cfg.model.dtype)
     if cfg.model.gradient_checkpointing:
         actor.gradient_checkpointing_enable()
