@@ -168,3 +168,19 @@ def test_unknown_or_unavailable_rollout_backend_is_a_config_error():
         load_config(None, ["rollout.backend=vllm"])
     with pytest.raises(ConfigError, match=r"rollout.backend='sglang' is not a valid choice"):
         load_config(None, ["rollout.backend=sglang"])
+
+
+def test_training_entry_reports_config_errors_before_loading_torch():
+    code = textwrap.dedent(
+        """
+        import sys
+        from vagen.train import main
+        try:
+            main(["--config", "sokoban_visual", "rollout.group_size=0"])
+        except SystemExit as exit:
+            print(exit.code, "torch" in sys.modules, "deepspeed" in sys.modules)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["2", "False", "False"], out.stderr
+    assert "config error: rollout.group_size=0 must be >= 1" in out.stderr

@@ -413,6 +413,15 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | None = N
     return from_dict(raw, name)
 
 
+def load_config_or_exit(name_or_path: str | None, overrides: list[str] | None = None) -> Config:
+    """`load_config` for command-line entry points: a config error is printed and exits with status 2."""
+    try:
+        return load_config(name_or_path, overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def from_dict(raw: dict, name: str = "default") -> Config:
     """Build a Config from a nested dict (e.g. a run's saved config.yaml)."""
     sections = {}
@@ -464,12 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m vagen.config NAME|PATH [section.key=value ...]")
         print(f"configs: {', '.join(available_configs())}")
         return 0
-    try:
-        cfg = load_config(argv[0], argv[1:])
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    print(to_yaml(cfg, with_help=True), end="")
+    print(to_yaml(load_config_or_exit(argv[0], argv[1:]), with_help=True), end="")
     return 0
 
 

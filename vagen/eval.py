@@ -229,13 +229,9 @@ def main(argv=None) -> int:
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    from vagen.config import ConfigError, load_config
+    from vagen.config import load_config_or_exit
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
     checkpoint = resolve_checkpoint(args.checkpoint)
     import torch
 

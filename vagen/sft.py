@@ -304,13 +304,9 @@ def main(argv=None) -> int:
     parser.add_argument("--eval", type=int, default=0, help="then evaluate on N distinct held-out levels")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
-    from vagen.config import ConfigError, load_config
+    from vagen.config import load_config_or_exit
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
     policy = args.policy or (cfg.model.warm_start if cfg.model.warm_start != "none" else "teacher")
     from vagen.models import resolve_model_path
     from vagen.train import init_distributed

@@ -26,13 +26,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from vagen.config import ConfigError, load_config
+    from vagen.config import load_config_or_exit
 
-    try:
-        cfg = load_config(args.config, args.overrides)  # fails fast, before torch loads
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)  # fails fast, before torch loads
 
     dist = init_distributed()
     import torch
