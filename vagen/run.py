@@ -26,7 +26,8 @@ import torch
 from vagen.config import Config, to_yaml
 
 # Metrics that are counts per rank: summed over ranks instead of averaged.
-SUMMED_METRICS = ("rollout/truncated_trajectories", "rollout/generated_tokens")
+SUMMED_METRICS = ("rollout/truncated_trajectories", "rollout/generated_tokens", "rollout/filter_kept_groups",
+                  "rollout/filter_total_groups", "rollout/filter_kept_trajectories")
 
 
 @dataclass
