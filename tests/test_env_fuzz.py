@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 
 import envs_visual
 from envs_visual import bandit
-from envs_visual.base import PROMPT_FORMATS, parse_response
+from envs_visual.base import PROMPT_FORMATS, format_response, parse_response
+
+FIELD_NAMES = ("think", "observation", "reasoning", "prediction")
 
 TAGS = ("think", "answer", "observation", "reasoning", "prediction")
 WORDS = {
@@ -52,7 +54,6 @@ def pieces(name):
 def well_formed(name, prompt_format):
     """Responses in the right shape, with arbitrary field text and answers built from action
     words and separators, so that a good share parse (and some of those are valid)."""
-    inner = PROMPT_FORMATS[prompt_format]
     words = words_for(name)
     word_alphabet = "".join(chr(0x4E00 + i) for i in range(len(words)))
     lookup = dict(zip(word_alphabet, words))
@@ -64,13 +65,8 @@ def well_formed(name, prompt_format):
 
     def build(parts):
         field, answer, edge = parts
-        if inner is None:
-            think = f"<think>{field}</think>"
-        elif inner == ():
-            think = ""
-        else:
-            think = "<think>" + "".join(f"<{t}>{field}</{t}>" for t in inner) + "</think>"
-        return (prompt_format, edge[:1] + think + f"<answer>{answer}</answer>" + edge[1:])
+        response = format_response(prompt_format, answer, dict.fromkeys(FIELD_NAMES, field))
+        return (prompt_format, edge[:1] + response + edge[1:])
 
     return st.tuples(fields, answer, st.sampled_from(["", "  ", "\n\n", " x", "x "])).map(build)
 
