@@ -124,3 +124,16 @@ def test_echo_rate_ignores_empty_reasoning():
     from vagen.core import echo_rate
 
     assert echo_rate(["", "", "push left", "push left"], [1, 2, 3, 4]) == 0.5
+
+
+def test_monitor_state_round_trips():
+    from vagen.core import CollapseMonitor
+
+    first = CollapseMonitor(window=4, min_history=2)
+    for g in (1.0, 1.1, 0.9):
+        first.update({"grad_norm": g, "entropy_mean": 2.0, "reward_std_in_group": 0.5})
+    second = CollapseMonitor(window=4, min_history=2)
+    second.load_state_dict(first.state_dict())
+    spike = {"grad_norm": 10.0, "entropy_mean": 0.1, "reward_std_in_group": 0.0}
+    assert first.update(dict(spike)) == second.update(dict(spike))
+    assert len(second.update(dict(spike))) >= 2

@@ -115,8 +115,9 @@ class RunDir:
         run.resume_from = resume_from
         return run
 
-    def maybe_resume(self, cfg: Config, actor_engine, critic_engine) -> int:
-        """Load engine states of the checkpoint being resumed; return the first iteration to run."""
+    def maybe_resume(self, cfg: Config, actor_engine, critic_engine, monitor) -> int:
+        """Load engine states and the collapse monitor's history of the checkpoint being resumed;
+        return the first iteration to run."""
         if self.resume_from is None:
             return 0
         ckpt = self.resume_from
@@ -126,6 +127,8 @@ class RunDir:
                 if load_path is None:
                     raise FileNotFoundError(f"no {name} engine state under {ckpt / 'deepspeed'}; the checkpoint is incomplete")
         state = json.loads((ckpt / "trainer_state.json").read_text())
+        if "monitor" in state:
+            monitor.load_state_dict(state["monitor"])
         if self.is_main:
             print(f"resuming from {ckpt} at iteration {state['iteration'] + 1}", flush=True)
         return int(state["iteration"]) + 1
@@ -161,13 +164,13 @@ class RunDir:
                            videos=cfg.eval.videos, dist=self.dist, with_baselines=False)
         return {f"eval/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
-    def maybe_save(self, it: int, cfg: Config, actor_engine, critic_engine, processor) -> None:
+    def maybe_save(self, it: int, cfg: Config, actor_engine, critic_engine, processor, monitor) -> None:
         last = it + 1 == cfg.train.iterations
         every = cfg.train.save_every
         if not (last or (every > 0 and (it + 1) % every == 0)):
             return
         save_checkpoint(self.path / "checkpoints" / f"step_{it + 1}", it, actor_engine, critic_engine, processor,
-                        self.dist)
+                        self.dist, {"monitor": monitor.state_dict()})
 
     def finish(self) -> None:
         if self.writer is not None:
@@ -183,7 +186,8 @@ def _full_state_dict(engine):
     return None
 
 
-def save_checkpoint(out: Path, it: int, actor_engine, critic_engine, processor, dist: Dist) -> None:
+def save_checkpoint(out: Path, it: int, actor_engine, critic_engine, processor, dist: Dist,
+                    trainer_state: dict | None = None) -> None:
     """Every rank takes part (engine states are collective); rank 0 writes the HF-format files."""
     actor_state = _full_state_dict(actor_engine)
     critic_state = _full_state_dict(critic_engine) if critic_engine is not None else None
@@ -197,7 +201,7 @@ def save_checkpoint(out: Path, it: int, actor_engine, critic_engine, processor, 
         if engine is not None:
             engine.save_checkpoint(str(out / "deepspeed"), tag=name)
     if dist.rank == 0:
-        (out / "trainer_state.json").write_text(json.dumps({"iteration": it}))
+        (out / "trainer_state.json").write_text(json.dumps({"iteration": it, **(trainer_state or {})}))
         (out.parent / "latest").write_text(out.name)
     if dist.active:
         torch.distributed.barrier()

@@ -66,15 +66,18 @@ def main(argv=None) -> int:
         reference.eval().requires_grad_(False).to(dist.device)
     actor_engine = make_engine(actor, cfg, cfg.train.actor_lr, dist)
     critic_engine = make_engine(critic, cfg, cfg.train.critic_lr, dist) if critic is not None else None
-    start = run.maybe_resume(cfg, actor_engine, critic_engine)
-
     monitor = core.CollapseMonitor()
-    generator = torch.Generator().manual_seed(cfg.train.seed)
+    start = run.maybe_resume(cfg, actor_engine, critic_engine, monitor)
+    generator = torch.Generator()
     groups_per_rank = cfg.rollout.env_groups // dist.world_size
     progress = run.progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
 
     for it in range(start, cfg.train.iterations):
         t_iter = time.perf_counter()
+        # Seeded per iteration and rank: a run is reproducible, and a resumed run samples exactly as an
+        # uninterrupted one would.
+        torch.manual_seed((cfg.train.seed * 1_000_003 + it) * 1_009 + dist.rank)
+        generator.manual_seed(cfg.train.seed * 1_000_003 + it)
         # -- rollout: this rank plays its share of the iteration's level seeds -------------------------
         seeds = train_seeds(it, cfg.rollout.env_groups, cfg.train.seed)
         my_seeds = seeds[dist.rank * groups_per_rank : (dist.rank + 1) * groups_per_rank]
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
         if is_main_process:
             run.log(it, stats, warnings)
             progress.update(it, stats)
-        run.maybe_save(it, cfg, actor_engine, critic_engine, processor)
+        run.maybe_save(it, cfg, actor_engine, critic_engine, processor, monitor)
 
     progress.close()
     run.finish()

@@ -125,6 +125,16 @@ class CollapseMonitor:
         self.entropy_peak: float | None = None
         self.step = 0
 
+    def state_dict(self) -> dict:
+        """Plain-data history, for checkpoints: a resumed run warns exactly as an uninterrupted one."""
+        return {"grad_norms": list(self.grad_norms), "stds": list(self.stds), "entropy_peak": self.entropy_peak,
+                "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.grad_norms = deque(state["grad_norms"], maxlen=self.window)
+        self.stds = deque(state["stds"], maxlen=self.window)
+        self.entropy_peak, self.step = state["entropy_peak"], int(state["step"])
+
     def update(self, metrics: dict) -> list[str]:
         """Check one step's metrics against the history, then add them to it."""
         warnings = []
