@@ -79,3 +79,23 @@ def test_same_seed_same_run(tmp_path, model_cache, distributed):
         run, _ = _run("bandit_text", tmp_path, model_cache, f"train.run_name={name}", "train.seed=3")
         runs.append([_deterministic(r) for r in _metrics(run)])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["algo.kl_coef=0.05", "algo.filter_mode=std", "algo.clip_high=0.28", "algo.token_selection=answer"],
+         {"actor/kl_loss", "actor/kl_to_ref"}),
+        (["algo.kl_coef=0.05", "algo.kl_in_reward=true", "train.critic_warmup=1", "algo.loss_agg=seq-mean-token-mean",
+          "train.ppo_epochs=2"], {"actor/kl_to_ref"}),
+    ],
+)
+def test_optional_algorithm_pieces_run(extra, expected, tmp_path, model_cache, distributed):
+    run, _ = _run("sokoban_text", tmp_path, model_cache, *extra)
+    first, last = _metrics(run)
+    assert expected <= set(last)
+    if "algo.filter_mode=std" in extra:
+        assert last["rollout/filter_kept_groups"] == 1 and last["rollout/filter_total_groups"] == 2
+    if "train.critic_warmup=1" in extra:
+        assert "actor/pg_loss" not in first and "critic/vf_loss" in first and "actor/pg_loss" in last
+        assert "actor/kl_loss" not in last  # KL went into the reward, not the loss
