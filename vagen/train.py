@@ -31,11 +31,17 @@ def main(argv=None) -> int:
     cfg = load_config_or_exit(args.config, args.overrides)  # fails fast, before torch loads
 
     dist = init_distributed()
+    for key in ("rollout.env_groups", "train.mini_batch_size"):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value % dist.world_size:
+            raise SystemExit(f"config error: {key}={value} must be divisible by the {dist.world_size} ranks "
+                             f"(each rank plays and trains an equal share); use a multiple of {dist.world_size}")
     import torch
 
     from vagen import core
     from vagen.models import ValueModel, load_policy, resolve_model_path, set_pixel_bounds
-    from vagen.rollout import ChatEncoder, rollout, rollout_metrics, train_seeds
+    from vagen.rollout import ChatEncoder, make_env, rollout, rollout_metrics, train_seeds
     from vagen.run import RunDir, reduce_metrics
     from vagen.sft import warm_start_checkpoint
     from vagen.trajectory import episode_to_sample
@@ -70,6 +76,9 @@ def main(argv=None) -> int:
     start = run.maybe_resume(cfg, actor_engine, critic_engine, monitor)
     generator = torch.Generator()
     groups_per_rank = cfg.rollout.env_groups // dist.world_size
+    # Environments live for the whole run (reset with new seeds each iteration): a MuJoCo renderer
+    # costs ~0.1 s to create and holds a GL context.
+    envs = [make_env(cfg.env) for _ in range(groups_per_rank * cfg.rollout.group_size)]
     progress = run.progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
 
     for it in range(start, cfg.train.iterations):
@@ -82,7 +91,7 @@ def main(argv=None) -> int:
         seeds = train_seeds(it, cfg.rollout.env_groups, cfg.train.seed)
         my_seeds = seeds[dist.rank * groups_per_rank : (dist.rank + 1) * groups_per_rank]
         actor_engine.module.eval()
-        episodes, stats = rollout(actor_engine.module, encoder, cfg, my_seeds, cfg.rollout.group_size)
+        episodes, stats = rollout(actor_engine.module, encoder, cfg, my_seeds, cfg.rollout.group_size, envs=envs)
         stats.update(rollout_metrics(episodes))
         samples = [episode_to_sample(ep, encoder, actor_engine.module) for ep in episodes]
 
@@ -123,6 +132,9 @@ def main(argv=None) -> int:
         run.maybe_save(it, cfg, actor_engine, critic_engine, processor, monitor)
 
     progress.close()
+    for env in envs:
+        if hasattr(env, "close"):
+            env.close()
     run.finish()
     return 0
 
