@@ -61,6 +61,8 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--model", default="builtin:tiny-vl")
+    parser.add_argument("--vision-init", type=float, default=0.0,
+                        help="re-initialise the vision tower's weight matrices with this std (0: keep)")
     args = parser.parse_args()
     from vagen.train import init_distributed
 
@@ -69,6 +71,11 @@ def main() -> int:
                                             f"sft.micro_batch_size={args.batch}"])
     model, processor = load_policy(resolve_model_path(args.model, cfg.model.builtin_cache))
     encoder = ChatEncoder(processor)
+    if args.vision_init:
+        with torch.no_grad():
+            for param in model.model.visual.parameters():
+                if param.dim() > 1:
+                    torch.nn.init.normal_(param, std=args.vision_init)
     rng = np.random.default_rng(0)
     train = [probe_sample(seed, rng, encoder, model) for seed in range(2000)]
     held_out = [probe_sample(10**9 + seed, rng, encoder, model) for seed in range(200)]
