@@ -144,8 +144,8 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
             boundary_norms: dict[str, float | None] = {}
             for indices in micro:
                 batch = collate([samples[i] for i in indices], pad_id, fields)
-                inputs = model_inputs(batch, device)
                 batch = {k: v.to(device) for k, v in batch.items()}
+                inputs = model_inputs(batch)
                 loss_mask = batch["loss_mask"]
                 if update_actor:
                     logits = actor_engine(**inputs, use_cache=False).logits
