@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -85,9 +86,11 @@ def _quiet_transformers():
 
 # -- tokenizer corpus ---------------------------------------------------------------------------------
 
-def tokenizer_corpus() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def tokenizer_corpus() -> tuple[str, ...]:
     """Deterministic training text for the built-in tokenizer: every environment's system prompt in
-    every format, observations of a few levels, and well-formed responses with every action name."""
+    every format, observations of a few levels, and well-formed responses with every action name.
+    Computed once per process (it builds every environment, ~1 s); the cache key hashes it."""
     import envs_visual
     from envs_visual.base import PROMPT_FORMATS
 
@@ -120,7 +123,7 @@ def tokenizer_corpus() -> list[str]:
                 f"<answer>{action},{other},{action}</answer>"
             )
     texts.append(" ".join(str(i) for i in range(200)) + " + - * / ( ) = ")
-    return texts
+    return tuple(texts)
 
 
 def _train_tokenizer(spec: TinySpec):
@@ -137,7 +140,7 @@ def _train_tokenizer(spec: TinySpec):
         show_progress=False,
     )
     corpus = tokenizer_corpus()
-    tok.train_from_iterator(corpus * 4, trainer)
+    tok.train_from_iterator(list(corpus) * 4, trainer)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
