@@ -7,8 +7,9 @@ model is fine-tuned through the same tokenisation, masks and DeepSpeed engine as
 "Which row is the player in?" with `<answer>R</answer>`, and prints held-out exact-answer accuracy
 every 100 steps (chance: 0.25). A warm start that acts on frames needs this to be learnable first.
 
-Measured on 2 cores: with the built-in model as built, accuracy stays at chance for 2,000 steps;
-`--vision-init 0.1 --center` jumps to 1.0 between steps 400 and 600; either option alone does not.
+Measured on 2 cores: the built-in model (which centres each image's tokens, see
+`vagen.models.center_image_tokens`) stays at chance to step 600 and reaches 0.89 by step 800
+(143 s); with `--no-center` it stays at chance for 2,000 steps.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def main() -> int:
     parser.add_argument("--model", default="builtin:tiny-vl")
     parser.add_argument("--vision-init", type=float, default=0.0,
                         help="re-initialise the vision tower's weight matrices with this std (0: keep)")
-    parser.add_argument("--center", action="store_true",
-                        help="subtract the batch-mean image-token feature after the merger (a forward hook)")
+    parser.add_argument("--no-center", action="store_true",
+                        help="remove the built-in model's per-image centring of image tokens")
     args = parser.parse_args()
     from vagen.train import init_distributed
 
@@ -81,8 +82,8 @@ def main() -> int:
             for param in model.model.visual.parameters():
                 if param.dim() > 1:
                     torch.nn.init.normal_(param, std=args.vision_init)
-    if args.center:
-        model.model.visual.merger.register_forward_hook(lambda module, inputs, out: out - out.mean(0, keepdim=True))
+    if args.no_center:
+        model.model.visual._forward_hooks.clear()
     rng = np.random.default_rng(0)
     train = [probe_sample(seed, rng, encoder, model) for seed in range(2000)]
     held_out = [probe_sample(10**9 + seed, rng, encoder, model) for seed in range(200)]

@@ -1,8 +1,9 @@
 """FrozenLake: walk across a frozen lake to the goal without falling into a hole.
 
-The map, the start and the goal come from the seed (`generate_level`): start and goal are two
-distinct random cells, every other cell is frozen with probability `p` and a hole otherwise, and
-maps without a path from start to goal are redrawn from the same seeded generator.
+The map comes from the seed (`generate_level`): the player starts in the top-left cell and the
+goal is the bottom-right one (Gymnasium's random-map layout; `random_start_goal=True` draws two
+distinct random cells instead), every other cell is frozen with probability `p` and a hole
+otherwise, and maps without a path from start to goal are redrawn from the same seeded generator.
 
 ## Actions
 `Left`, `Down`, `Right`, `Up` (case-insensitive, up to `max_actions_per_turn` per response,
@@ -75,8 +76,11 @@ class FrozenLakeLevel:
         return cls(holes, divmod(cells.index("P"), n), divmod(cells.index("G"), n))
 
 
-def generate_level(seed: int, size: int = 4, p: float = 0.8, max_attempts: int = 1000) -> FrozenLakeLevel:
-    """A map with a hole-free path from start to goal, a pure function of the arguments."""
+def generate_level(seed: int, size: int = 4, p: float = 0.8, max_attempts: int = 1000,
+                   random_start_goal: bool = False) -> FrozenLakeLevel:
+    """A map with a hole-free path from start to goal, a pure function of the arguments. The start
+    is the top-left cell and the goal the bottom-right one, as in Gymnasium's random maps; with
+    `random_start_goal` they are two distinct random cells (shorter, easier episodes on average)."""
     size = int(size)
     if size < 2:
         raise ValueError(f"size must be >= 2, got {size}")
@@ -84,7 +88,10 @@ def generate_level(seed: int, size: int = 4, p: float = 0.8, max_attempts: int =
         raise ValueError(f"p (probability that a cell is frozen) must be in (0, 1], got {p}")
     rng = np.random.default_rng(seed)
     for _ in range(max_attempts):
-        start_index, goal_index = rng.choice(size * size, size=2, replace=False).tolist()
+        if random_start_goal:
+            start_index, goal_index = rng.choice(size * size, size=2, replace=False).tolist()
+        else:
+            start_index, goal_index = 0, size * size - 1
         holes = rng.random((size, size)) >= p
         start, goal = divmod(start_index, size), divmod(goal_index, size)
         holes[start] = holes[goal] = False
@@ -137,12 +144,14 @@ class FrozenLakeEnv(TextActionEnv):
         max_steps: int = 100,
         render_mode: str = "vision",
         cell_size: int = 28,
+        random_start_goal: bool = False,
         **kwargs,
     ):
         super().__init__(render_mode=render_mode, max_steps=max_steps, **kwargs)
         if int(size) < 2 or not 0.0 < float(p) <= 1.0:
             raise ValueError(f"need size >= 2 and p in (0, 1], got size={size}, p={p}")
         self.size, self.p, self.is_slippery = int(size), float(p), bool(is_slippery)
+        self.random_start_goal = bool(random_start_goal)
         self.cell_size = check_cell_size(cell_size)
         self._sheet = (
             load_sprites("frozenlake", TILE_NAMES, self.cell_size) if render_mode == "vision" else None
@@ -150,7 +159,7 @@ class FrozenLakeEnv(TextActionEnv):
         self.level: FrozenLakeLevel | None = None
 
     def _reset(self, seed: int) -> None:
-        self._set_level(generate_level(seed, self.size, self.p))
+        self._set_level(generate_level(seed, self.size, self.p, random_start_goal=self.random_start_goal))
         # a stream separate from the level's, so slipping never changes which map a seed gives
         self._rng = np.random.default_rng([seed, 1])
 

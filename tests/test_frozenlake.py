@@ -30,13 +30,18 @@ O__G
 def test_generate_level_is_pure_and_varied():
     a, b = generate_level(3), generate_level(3)
     assert np.array_equal(a.holes, b.holes) and (a.start, a.goal) == (b.start, b.goal)
-    assert len({(generate_level(s).start, generate_level(s).goal) for s in range(40)}) > 20
+    assert len({generate_level(s).holes.tobytes() for s in range(40)}) > 20
+    assert {(generate_level(s).start, generate_level(s).goal) for s in range(40)} == {((0, 0), (3, 3))}
+    pairs = {(generate_level(s, random_start_goal=True).start, generate_level(s, random_start_goal=True).goal)
+               for s in range(40)}
+    assert len(pairs) > 20
 
 
 @pytest.mark.parametrize("size, p", [(4, 0.8), (6, 0.6), (8, 0.8)])
-def test_every_map_has_a_path(size, p):
+@pytest.mark.parametrize("random_start_goal", [False, True])
+def test_every_map_has_a_path(size, p, random_start_goal):
     for seed in range(500 if size == 4 else 100):
-        level = generate_level(seed, size, p)
+        level = generate_level(seed, size, p, random_start_goal=random_start_goal)
         assert level.start != level.goal
         assert not level.holes[level.start] and not level.holes[level.goal]
         assert bfs_path(~level.holes, level.start, level.goal) is not None, seed

@@ -58,3 +58,33 @@ def test_value_model_starts_at_zero_and_round_trips(tiny_text, tmp_path):
     again = ValueModel(load_policy(resolve_model_path("builtin:tiny-text", str(tmp_path / "m"), seed=1))[0])
     again.load(tmp_path / "critic")
     assert torch.allclose(again(input_ids=ids)[:, 1:], torch.full((1, ids.shape[1] - 1), 0.5))
+
+
+def test_tiny_vl_centres_each_images_tokens_independently_of_the_batch(tiny_vl, tmp_path):
+    import envs_visual
+
+    path, model, processor = tiny_vl
+    assert json.loads((path / "config.json").read_text())["vagen_center_image_tokens"] is True
+    frames = []
+    for seed in (0, 1):
+        env = envs_visual.make("frozenlake")
+        env.reset(seed=seed)
+        frames.append(env.render_image())
+    alone = [processor.image_processor(images=[f], return_tensors="pt") for f in frames]
+    both = processor.image_processor(images=frames, return_tensors="pt")
+    with torch.no_grad():
+        feats_alone = [torch.cat(model.model.get_image_features(a["pixel_values"], a["image_grid_thw"]).pooler_output)
+                       for a in alone]
+        feats_both = torch.cat(model.model.get_image_features(both["pixel_values"], both["image_grid_thw"]).pooler_output)
+    assert [f.shape[0] for f in feats_alone] == [16, 16]  # one token per 28-px cell
+    for feats in feats_alone:
+        assert torch.allclose(feats.mean(0), torch.zeros(feats.shape[1]), atol=1e-6)
+    assert torch.allclose(torch.cat(feats_alone), feats_both, atol=1e-5)
+    # the flag travels with saved checkpoints; a checkpoint without it is not centred
+    model.save_pretrained(tmp_path / "ckpt")
+    processor.save_pretrained(tmp_path / "ckpt")
+    assert load_policy(tmp_path / "ckpt")[0].model.visual._forward_hooks
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    config["vagen_center_image_tokens"] = False
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    assert not load_policy(tmp_path / "ckpt")[0].model.visual._forward_hooks

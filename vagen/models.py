@@ -74,7 +74,8 @@ class TinySpec:
     vision_heads: int = 4
     min_pixels: int = 56 * 56
     max_pixels: int = 224 * 224
-    version: int = 1
+    center_image_tokens: bool = True
+    version: int = 2
 
 
 def _quiet_transformers():
@@ -205,6 +206,9 @@ def _build_tiny(name: str, out_dir: Path, seed: int, spec: TinySpec) -> None:
             vision_end_token_id=ids["<|vision_end|>"],
             tie_word_embeddings=True,
         )
+        # Stored in config.json, so every checkpoint trained from this model keeps it; see
+        # `center_image_tokens`.
+        setattr(config, CENTER_IMAGE_TOKENS, spec.center_image_tokens)
         model = Qwen2_5_VLForConditionalGeneration(config)
         bounds = dict(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
         processor = Qwen2_5_VLProcessor(
@@ -271,6 +275,38 @@ def is_vision_checkpoint(path: Path) -> bool:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+# A config.json flag of the built-in VLM: subtract each image's mean token from its image tokens.
+CENTER_IMAGE_TOKENS = "vagen_center_image_tokens"
+
+
+def _center_per_image(visual: nn.Module, args, kwargs, output):
+    grid_thw = kwargs["grid_thw"] if "grid_thw" in kwargs else args[1]
+    counts = (grid_thw.prod(-1) // visual.spatial_merge_size**2).tolist()
+    tokens = output.pooler_output
+    output.pooler_output = torch.cat([part - part.mean(0, keepdim=True) for part in tokens.split(counts)])
+    return output
+
+
+def center_image_tokens(model: nn.Module) -> bool:
+    """Subtract, per image, the mean of its merged image tokens before they enter the language model.
+
+    A grid-world frame is mostly background, so every image token of a tiny randomly initialised
+    VLM carries the same large component and the cells that matter differ from it by little;
+    without centring the built-in model does not learn to read a cell's content at its position
+    (`benchmarks/vision_probe.py` stays at chance), with it the probe is solved within ~700 steps.
+    It is per image, so a frame's features do not depend on what else is in the batch (rollout and
+    update see the same numbers). Applied by `load_policy` to checkpoints whose config carries
+    `vagen_center_image_tokens: true` (the built-in VLM and everything trained from it); such a
+    checkpoint loads in plain transformers but computes without the centring there. Returns
+    whether the hook is installed."""
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    if visual is None or not getattr(model.config, CENTER_IMAGE_TOKENS, False):
+        return False
+    if not getattr(visual, "_vagen_centered", False):
+        visual.register_forward_hook(_center_per_image, with_kwargs=True)
+        visual._vagen_centered = True
+    return True
+
 
 def load_policy(path: Path, dtype: str = "float32"):
     """(model, processor) for a checkpoint directory; the processor of a text model is its tokenizer."""
@@ -279,6 +315,7 @@ def load_policy(path: Path, dtype: str = "float32"):
 
     if is_vision_checkpoint(path):
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=DTYPES[dtype])
+        center_image_tokens(model)
         processor = AutoProcessor.from_pretrained(path)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
