@@ -9,6 +9,7 @@ the teacher, the solver and a random policy. Writes results.json, table.md and l
     python benchmarks/learning.py                       # full: hours of CPU
     python benchmarks/learning.py --quick               # 64 levels, 1 seed, 5 minutes per method
     python benchmarks/learning.py --smoke               # a couple of minutes: proves the pipeline runs
+    python benchmarks/learning.py --jobs 2 ...          # two runs at once, one thread each
 
 CPU-minutes count the training process's CPU time (all threads), evaluation excluded.
 """
@@ -50,6 +51,10 @@ def parse_args(argv=None):
     parser.add_argument("--eval-every", type=int, default=10, help="RL iterations between evaluations")
     parser.add_argument("--sft-steps-per-eval", type=int, default=100, help="control: SFT steps between evaluations")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (leave a core to others)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="(method, seed) runs at once, each in its own process with --threads threads")
+    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child of --jobs: its result file
+    parser.add_argument("--only-seed", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="64 levels, 1 seed, 5 CPU-minutes per method")
     parser.add_argument("--smoke", action="store_true", help="tiny everything: checks that the pipeline runs")
     parser.add_argument("--out", default="runs/benchmark_learning")
@@ -81,7 +86,7 @@ def run_rl(name, overrides, warm_start, cfg_name, seed, args, seeds, out: Path, 
 
     run_name = f"{cfg_name}-{name}-seed{seed}"
     curve, cpu, iterations = [], 0.0, 0
-    base = [f"model.path={warm_start}", f"train.seed={seed}", f"train.run_dir={out / 'runs'}",
+    base = [f"model.path={warm_start}", "model.warm_start=none", f"train.seed={seed}", f"train.run_dir={out / 'runs'}",
             f"train.run_name={run_name}", f"train.save_every={args.eval_every}", "log.progress=false",
             "log.tensorboard=false", *args.overrides, *overrides]
     while cpu < args.minutes * 60:
@@ -128,6 +133,52 @@ def run_more_sft(warm_start, cfg, seed, args, seeds, dist) -> list[dict]:
         print(f"  more-SFT seed {seed} step {steps} cpu {cpu / 60:.2f} min  greedy "
               f"{point['greedy']['success']:.3f} sampled {point['sampled']['success']:.3f}", flush=True)
     return curve
+
+
+def run_method(method, warm_start, cfg_name, cfg, seed, args, seeds, out: Path, dist) -> list[dict]:
+    import torch
+
+    if method == "more-SFT":
+        curve = run_more_sft(warm_start, cfg, seed, args, seeds, dist)
+    else:
+        curve = run_rl(method, METHODS[method], warm_start, cfg_name, seed, args, seeds, out, cfg)
+    torch.set_num_threads(args.threads)
+    return curve
+
+
+def run_in_children(env: str, args, out: Path) -> dict[str, dict[int, list[dict]]]:
+    """Every (method, seed) of `env` as a child process of this script, `--jobs` at a time; each
+    child writes its curve to out/parts/. The warm start must already be in the cache."""
+    import subprocess
+
+    parts = out / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    common = ["--envs", env, "--minutes", str(args.minutes), "--eval-n", str(args.eval_n), "--eval-every",
+              str(args.eval_every), "--sft-steps-per-eval", str(args.sft_steps_per_eval), "--threads",
+              str(args.threads), "--out", str(out), *args.overrides]
+    child_env = {k: v for k, v in os.environ.items() if k not in
+                 ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    tasks = [(method, seed) for method in args.methods for seed in range(args.seeds)]
+    running, failed = [], []
+    while tasks or running:
+        while tasks and len(running) < args.jobs:
+            method, seed = tasks.pop(0)
+            part = parts / f"{env}-{method}-seed{seed}.json"
+            command = [sys.executable, __file__, "--methods", method, "--only-seed", str(seed), "--part", str(part),
+                       *common]
+            running.append((method, seed, part, subprocess.Popen(command, env=child_env)))
+        time.sleep(1.0)
+        for item in [r for r in running if r[3].poll() is not None]:
+            running.remove(item)
+            if item[3].returncode != 0:
+                failed.append(f"{item[0]} seed {item[1]} (exit {item[3].returncode})")
+    if failed:
+        raise RuntimeError(f"{env}: runs failed: {', '.join(failed)}; their logs are above")
+    curves: dict[str, dict[int, list[dict]]] = {}
+    for method in args.methods:
+        for seed in range(args.seeds):
+            curves.setdefault(method, {})[seed] = json.loads((parts / f"{env}-{method}-seed{seed}.json").read_text())
+    return curves
 
 
 def interval(row) -> str:
@@ -232,6 +283,13 @@ def main(argv=None) -> int:
         cfg = load_config(cfg_name, [*args.overrides, "model.warm_start=teacher"])
         cfg.sft.exclude_eval = max(cfg.sft.exclude_eval, args.eval_n)
         seeds = distinct_eval_seeds(cfg.env, args.eval_n)
+        if args.part:  # a child of --jobs: one (method, seed), the warm start is cached
+            base = resolve_model_path(cfg.model.path, cfg.model.builtin_cache)
+            warm_start = sft.warm_start_checkpoint(cfg, base, dist)
+            torch.set_num_threads(args.threads)
+            curve = run_method(args.methods[0], warm_start, cfg_name, cfg, args.only_seed, args, seeds, out, dist)
+            Path(args.part).write_text(json.dumps(curve, default=float))
+            return 0
         print(f"== {env}: {len(seeds)} distinct held-out levels", flush=True)
         base = resolve_model_path(cfg.model.path, cfg.model.builtin_cache)
         t0 = time.perf_counter()
@@ -244,15 +302,12 @@ def main(argv=None) -> int:
         print(f"  teacher {baselines['teacher']['success']:.3f}  solver {baselines['solver']['success']:.3f}  "
               f"random {baselines['random']['success']:.3f}  warm start greedy "
               f"{res['warm_start']['greedy']['success']:.3f} (built/loaded in {build_minutes:.1f} min)", flush=True)
-        for method in args.methods:
-            res["methods"][method] = {}
-            for seed in range(args.seeds):
-                if method == "more-SFT":
-                    curve = run_more_sft(warm_start, cfg, seed, args, seeds, dist)
-                else:
-                    curve = run_rl(method, METHODS[method], warm_start, cfg_name, seed, args, seeds, out, cfg)
-                    torch.set_num_threads(args.threads)
-                res["methods"][method][seed] = curve
+        if args.jobs > 1:
+            res["methods"] = run_in_children(env, args, out)
+        else:
+            for method in args.methods:
+                res["methods"][method] = {seed: run_method(method, warm_start, cfg_name, cfg, seed, args, seeds,
+                                                           out, dist) for seed in range(args.seeds)}
         results[env] = res
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
     text = table(results)

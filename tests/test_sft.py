@@ -33,7 +33,7 @@ def test_sft_on_demonstrations_teaches_the_format(model_cache, distributed):
 
 
 def test_warm_start_none_is_the_base_checkpoint(tmp_path, distributed):
-    cfg = load_config("frozenlake_text")
+    cfg = load_config("frozenlake_text", ["model.warm_start=none"])
     assert sft.warm_start_checkpoint(cfg, tmp_path, distributed) == tmp_path
 
 

@@ -247,3 +247,14 @@ def test_teacher_pushes_toward_target_when_behind_the_box():
     assert teacher_action(env.state()) == "Left"
     env = make_level("#######\n#_OX__#\n#___P_#\n#######")
     assert teacher_action(env.state()) in ("Up", "Right")  # first step toward the pushing cell
+
+
+def test_teacher_does_not_plan_around_walls():
+    # the pushing cell (1, 4) is reached only via the right column; the teacher steps greedily
+    # toward it and, below the wall, has no closer step left: a random valid move
+    env = make_level("#######\n#_OX__#\n#_##__#\n#__P__#\n#######")
+    assert teacher_action(env.state()) == "Right"  # closer to the pushing cell
+    env = make_level("#######\n#_OX__#\n#_###_#\n#___P_#\n#######")
+    moves = {teacher_action(env.state(), np.random.default_rng(seed)) for seed in range(20)}
+    assert moves == {"Left", "Right"}
+    assert env.solve()[0] == "Right"
