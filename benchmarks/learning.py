@@ -32,6 +32,10 @@ METHODS = {
     "PPO": ["algo.adv_estimator=gae", "algo.token_selection=all"],
     "GRPO": ["algo.adv_estimator=grpo", "algo.token_selection=all"],
 }
+# Every RL run: 8 levels x 8 rollouts per iteration (16 episodes per iteration gave updates too noisy
+# to help), on-policy sampling (temperature 1, no nucleus), two optimizer steps per iteration.
+RL_SETTINGS = ["rollout.env_groups=8", "rollout.group_size=8", "train.mini_batch_size=32", "train.micro_batch_size=8",
+               "rollout.temperature=1.0", "rollout.top_p=1.0"]
 # Targets of the issue, checked at the end: (env, points over the teacher, absolute floor).
 TARGETS = {"frozenlake": (0.15, 0.90), "sokoban": (0.10, 0.0)}
 SMOKE = ["sft.demos=24", "sft.val_demos=4", "sft.exclude_eval=16", "sft.max_steps=4", "sft.min_steps=0",
@@ -48,11 +52,13 @@ def parse_args(argv=None):
     parser.add_argument("--minutes", type=float, default=30.0, help="CPU-minutes of training per method and seed")
     parser.add_argument("--seeds", type=int, default=3, help="training seeds per method")
     parser.add_argument("--eval-n", type=int, default=256, help="distinct held-out levels")
-    parser.add_argument("--eval-every", type=int, default=10, help="RL iterations between evaluations")
-    parser.add_argument("--sft-steps-per-eval", type=int, default=100, help="control: SFT steps between evaluations")
+    parser.add_argument("--eval-every", type=int, default=20, help="RL iterations between evaluations")
+    parser.add_argument("--sft-steps-per-eval", type=int, default=250, help="control: SFT steps between evaluations")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (leave a core to others)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="(method, seed) runs at once, each in its own process with --threads threads")
+    parser.add_argument("--report", action="store_true",
+                        help="only rewrite table.md and learning.png from OUT/results.json")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child of --jobs: its result file
     parser.add_argument("--only-seed", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="64 levels, 1 seed, 5 CPU-minutes per method")
@@ -88,7 +94,7 @@ def run_rl(name, overrides, warm_start, cfg_name, seed, args, seeds, out: Path, 
     curve, cpu, iterations = [], 0.0, 0
     base = [f"model.path={warm_start}", "model.warm_start=none", f"train.seed={seed}", f"train.run_dir={out / 'runs'}",
             f"train.run_name={run_name}", f"train.save_every={args.eval_every}", "log.progress=false",
-            "log.tensorboard=false", *args.overrides, *overrides]
+            "log.tensorboard=false", *RL_SETTINGS, *args.overrides, *overrides]
     while cpu < args.minutes * 60:
         iterations += args.eval_every
         resume = ["train.resume=auto"] if iterations > args.eval_every else []
@@ -190,20 +196,22 @@ def interval(row) -> str:
 
 def table(results) -> str:
     lines = ["| env | method | seed | greedy success [95% CI] | sampled success [95% CI] | greedy return | "
-             "best greedy | CPU-min |", "|---|---|---|---|---|---|---|---|"]
+             "sampled return | best greedy | CPU-min |", "|---|---|---|---|---|---|---|---|---|"]
     for env, res in results.items():
         for name in ("random", "teacher", "solver"):
             row = res["baselines"][name]
-            lines.append(f"| {env} | {name} | - | {interval(row)} | - | {row['return']:.2f} | - | 0 |")
+            lines.append(f"| {env} | {name} | - | {interval(row)} | - | {row['return']:.2f} | - | - | 0 |")
         ws = res["warm_start"]
         lines.append(f"| {env} | warm start (SFT) | - | {interval(ws['greedy'])} | {interval(ws['sampled'])} | "
-                     f"{ws['greedy']['return']:.2f} | - | {res['warm_start_build_minutes']:.1f} (build) |")
+                     f"{ws['greedy']['return']:.2f} | {ws['sampled']['return']:.2f} | - | "
+                     f"{res['warm_start_build_minutes']:.1f} (build) |")
         for method, curves in res["methods"].items():
             for seed, curve in curves.items():
                 last = curve[-1]
                 best = max(p["greedy"]["success"] for p in curve)
                 lines.append(f"| {env} | {method} | {seed} | {interval(last['greedy'])} | "
-                             f"{interval(last['sampled'])} | {last['greedy']['return']:.2f} | {best:.3f} | "
+                             f"{interval(last['sampled'])} | {last['greedy']['return']:.2f} | "
+                             f"{last['sampled']['return']:.2f} | {best:.3f} | "
                              f"{last['cpu_minutes']:.1f} |")
     return "\n".join(lines)
 
@@ -261,8 +269,22 @@ def plot(results, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_report(results, out: Path) -> None:
+    text = table(results)
+    targets = check_targets(results)
+    (out / "table.md").write_text(text + "\n\n" + "\n".join(targets) + "\n")
+    plot(results, out / "learning.png")
+    print(text)
+    print("\n".join(targets))
+    print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'learning.png'}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report:
+        results = json.loads((Path(args.out) / "results.json").read_text())
+        write_report(results, Path(args.out))
+        return 0
     # init_distributed gives each rank cpu_count / LOCAL_WORLD_SIZE threads: this sets --threads.
     os.environ["LOCAL_WORLD_SIZE"] = str(max(1, (os.cpu_count() or 1) // args.threads))
     import torch
@@ -310,13 +332,7 @@ def main(argv=None) -> int:
                                                            out, dist) for seed in range(args.seeds)}
         results[env] = res
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
-    text = table(results)
-    targets = check_targets(results)
-    (out / "table.md").write_text(text + "\n\n" + "\n".join(targets) + "\n")
-    plot(results, out / "learning.png")
-    print(text)
-    print("\n".join(targets))
-    print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'learning.png'}")
+    write_report(results, out)
     return 0
 
 
