@@ -172,12 +172,12 @@ def run_in_children(env: str, args, out: Path) -> dict[str, dict[int, list[dict]
             part = parts / f"{env}-{method}-seed{seed}.json"
             command = [sys.executable, __file__, "--methods", method, "--only-seed", str(seed), "--part", str(part),
                        *common]
-            running.append((method, seed, part, subprocess.Popen(command, env=child_env)))
+            running.append((method, seed, subprocess.Popen(command, env=child_env)))
         time.sleep(1.0)
-        for item in [r for r in running if r[3].poll() is not None]:
-            running.remove(item)
-            if item[3].returncode != 0:
-                failed.append(f"{item[0]} seed {item[1]} (exit {item[3].returncode})")
+        for method, seed, process in [r for r in running if r[2].poll() is not None]:
+            running.remove((method, seed, process))
+            if process.returncode != 0:
+                failed.append(f"{method} seed {seed} (exit {process.returncode})")
     if failed:
         raise RuntimeError(f"{env}: runs failed: {', '.join(failed)}; their logs are above")
     curves: dict[str, dict[int, list[dict]]] = {}

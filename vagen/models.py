@@ -293,7 +293,7 @@ def center_image_tokens(model: nn.Module) -> bool:
     A grid-world frame is mostly background, so every image token of a tiny randomly initialised
     VLM carries the same large component and the cells that matter differ from it by little;
     without centring the built-in model does not learn to read a cell's content at its position
-    (`benchmarks/vision_probe.py` stays at chance), with it the probe is solved within ~700 steps.
+    (`benchmarks/vision_probe.py` stays at chance), with it the probe reaches 0.89 by step 800.
     It is per image, so a frame's features do not depend on what else is in the batch (rollout and
     update see the same numbers). Applied by `load_policy` to checkpoints whose config carries
     `vagen_center_image_tokens: true` (the built-in VLM and everything trained from it); such a
