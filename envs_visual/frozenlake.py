@@ -105,12 +105,10 @@ def generate_level(seed: int, size: int = 4, p: float = 0.8, max_attempts: int =
 
 
 def teacher_action(state: dict[str, Any], rng: np.random.Generator | None = None) -> str:
-    """An imperfect demonstrator for `FrozenLakeEnv.state()`: a move that brings the player closer to
-    the goal and whose cell is not a hole, drawn uniformly when there are two (down or right: it
-    cannot tell which leads around the holes further on); if there is none, any move onto the map
-    that is not a hole. It does not plan, so it can walk into dead ends and oscillate. Its choices
-    at forks are what reinforcement learning from its demonstrations can improve on: the frame
-    shows which branch is open. `rng` draws the choices (a fixed generator when omitted)."""
+    """An imperfect demonstrator for `FrozenLakeEnv.state()`: among the moves that bring the player
+    closer to the goal, take one whose cell is not a hole (rows before columns); if there is none,
+    any move onto the map that is not a hole; `rng` only breaks the last-resort choice. It does not
+    plan, so it can walk into dead ends and oscillate."""
     n = state["size"][0]
     (r, c), (gr, gc) = state["player"], state["goal"]
     holes = {tuple(h) for h in state["holes"]}
@@ -123,13 +121,12 @@ def teacher_action(state: dict[str, Any], rng: np.random.Generator | None = None
         safe.append(name)
         if abs(nxt[0] - gr) + abs(nxt[1] - gc) < abs(r - gr) + abs(c - gc):
             closer.append(name)
-    choices = closer or safe
-    if not choices:
-        return "Down"
-    if len(choices) == 1:
-        return choices[0]
-    rng = np.random.default_rng(0) if rng is None else rng
-    return choices[int(rng.integers(len(choices)))]
+    if closer:
+        return closer[0]
+    if safe:
+        rng = np.random.default_rng(0) if rng is None else rng
+        return safe[int(rng.integers(len(safe)))]
+    return "Down"
 
 
 class FrozenLakeEnv(TextActionEnv):

@@ -3,8 +3,7 @@ import json
 import pytest
 import torch
 
-from vagen.models import (BUILTINS, ValueModel, is_vision_checkpoint, load_policy, normalize_image_tokens,
-                          resolve_model_path)
+from vagen.models import BUILTINS, ValueModel, is_vision_checkpoint, load_policy, resolve_model_path
 
 
 def test_tiny_vl_is_a_real_qwen2_5_vl_that_loads_through_auto_classes(tiny_vl):
@@ -61,11 +60,11 @@ def test_value_model_starts_at_zero_and_round_trips(tiny_text, tmp_path):
     assert torch.allclose(again(input_ids=ids)[:, 1:], torch.full((1, ids.shape[1] - 1), 0.5))
 
 
-def test_tiny_vl_standardises_each_images_tokens_independently_of_the_batch(tiny_vl, tmp_path):
+def test_tiny_vl_centres_each_images_tokens_independently_of_the_batch(tiny_vl, tmp_path):
     import envs_visual
 
     path, model, processor = tiny_vl
-    assert json.loads((path / "config.json").read_text())["vagen_image_token_norm"] == 0.03
+    assert json.loads((path / "config.json").read_text())["vagen_center_image_tokens"] is True
     frames = []
     for seed in (0, 1):
         env = envs_visual.make("frozenlake")
@@ -78,20 +77,14 @@ def test_tiny_vl_standardises_each_images_tokens_independently_of_the_batch(tiny
                        for a in alone]
         feats_both = torch.cat(model.model.get_image_features(both["pixel_values"], both["image_grid_thw"]).pooler_output)
     assert [f.shape[0] for f in feats_alone] == [16, 16]  # one token per 28-px cell
-    for feats in feats_alone:  # every feature: mean 0 and deviation 0.03 over the image's tokens
+    for feats in feats_alone:
         assert torch.allclose(feats.mean(0), torch.zeros(feats.shape[1]), atol=1e-6)
-        assert torch.allclose(feats.pow(2).mean(0).sqrt(), torch.full((feats.shape[1],), 0.03), atol=1e-4)
     assert torch.allclose(torch.cat(feats_alone), feats_both, atol=1e-5)
-    # the setting travels with saved checkpoints; 0 (or none) means stock features
+    # the flag travels with saved checkpoints; a checkpoint without it is not centred
     model.save_pretrained(tmp_path / "ckpt")
     processor.save_pretrained(tmp_path / "ckpt")
     assert load_policy(tmp_path / "ckpt")[0].model.visual._forward_hooks
-    normalize_image_tokens(model, 0)
-    with torch.no_grad():
-        stock = torch.cat(model.model.get_image_features(both["pixel_values"], both["image_grid_thw"]).pooler_output)
-    normalize_image_tokens(model, 0.03)
-    assert not torch.allclose(stock.mean(0), torch.zeros(stock.shape[1]), atol=1e-3)
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    config["vagen_image_token_norm"] = 0
+    config["vagen_center_image_tokens"] = False
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     assert not load_policy(tmp_path / "ckpt")[0].model.visual._forward_hooks

@@ -124,8 +124,7 @@ class SFTConfig:
     lr: float = _f(1e-3, "learning rate (constant after warm-up)")
     warmup_steps: int = _f(20, "linear learning-rate warm-up steps")
     check_every: int = _f(50, "steps between checks of answer accuracy on held-out demonstrations")
-    patience: int = _f(4, "stop after this many checks without a better held-out NLL")
-    min_improvement: float = _f(0.01, "a check improves when the held-out NLL falls by this share of the best")
+    patience: int = _f(4, "stop after this many checks without a better held-out answer accuracy")
     val_demos: int = _f(128, "held-out demonstrations for the convergence check")
 
 

@@ -130,7 +130,7 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
               max_steps: int | None = None, min_steps: int | None = None, time_budget_s: float | None = None,
               on_check=None) -> dict[str, float]:
     """Optimizer steps of the token-mean NLL of generated tokens on random batches of `train_samples`
-    until the held-out NLL stops improving (or `max_steps` / `time_budget_s`). Returns stats;
+    until held-out answer accuracy stops improving (or `max_steps` / `time_budget_s`). Returns stats;
     `on_check(step, metrics)` is called at every check."""
     from vagen.trajectory import collate
     from vagen.update import chunks
@@ -139,7 +139,7 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
     max_steps = sft.max_steps if max_steps is None else max_steps
     min_steps = sft.min_steps if min_steps is None else min_steps
     generator = torch.Generator().manual_seed(seed)
-    best, stale, step = float("inf"), 0, 0
+    best, stale, step = -1.0, 0, 0
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
     losses = []
@@ -161,14 +161,12 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
             log(" ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
             if on_check is not None:
                 on_check(step, metrics)
-            # NLL, not answer accuracy: a teacher that draws between equally good moves caps accuracy
-            # well below 1 and makes it jump by several points from one check to the next
-            nll = metrics["sft/val_nll"]
-            if nll < best * (1 - sft.min_improvement):
-                best, stale = nll, 0
+            accuracy = metrics["sft/val_answer_accuracy"]
+            if accuracy > best + 0.002:
+                best, stale = accuracy, 0
             else:
                 stale += 1
-            if step >= min_steps and stale >= sft.patience:
+            if (step >= min_steps and stale >= sft.patience) or accuracy >= 1.0:
                 break
         if out_of_time:
             break
