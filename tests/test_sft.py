@@ -63,6 +63,18 @@ def test_cache_key_follows_what_the_warm_start_depends_on(tmp_path):
     assert sft.cache_key(cfg, tmp_path / "other", "teacher") != key
 
 
+def test_cache_key_follows_the_demonstration_code(tmp_path, monkeypatch):
+    import inspect
+
+    cfg = load_config("frozenlake_visual")
+    key, sokoban = sft.cache_key(cfg, tmp_path, "teacher"), sft.demonstration_code("sokoban")
+    real = inspect.getsource
+    edited = lambda obj: real(obj) + ("# edited" if obj.__name__ == "envs_visual.frozenlake" else "")  # noqa: E731
+    monkeypatch.setattr(inspect, "getsource", edited)  # e.g. a changed teacher_action
+    assert sft.cache_key(cfg, tmp_path, "teacher") != key
+    assert sft.demonstration_code("sokoban") == sokoban
+
+
 def test_responses_longer_than_generation_allows_are_refused(tiny_text):
     _, model, processor = tiny_text
     cfg = load_config("frozenlake_text", ["rollout.max_new_tokens=8"])

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-# Bump when demonstrations or training change in a way the cache key does not see.
+# Bump when training changes in a way the cache key does not see (demonstration code is hashed).
 VERSION = 1
 STATE_FILE = "vagen_warm_start.json"
 
@@ -194,10 +194,24 @@ def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, bat
 
 # -- the cached warm start ----------------------------------------------------------------------------
 
+def demonstration_code(env_name: str) -> str:
+    """Hash of the code that writes the demonstrations: `vagen.demos` and the env's module (its
+    teacher, solver, dynamics, frames and prompts), so editing any of them rebuilds the warm start."""
+    import inspect
+
+    import envs_visual
+    from vagen import demos
+
+    env_module = inspect.getmodule(envs_visual.env_class(env_name))
+    text = "".join(inspect.getsource(module) for module in (demos, env_module))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def cache_key(cfg, base_path: Path, policy: str) -> str:
     """Hash of everything the warm start depends on."""
     env = cfg.env
-    parts = [VERSION, Path(base_path).name, policy, env.name, env.params, env.prompt_format, env.render_mode,
+    parts = [VERSION, demonstration_code(env.name), Path(base_path).name, policy, env.name, env.params,
+             env.prompt_format, env.render_mode,
              env.max_actions_per_turn, cfg.rollout.max_turns, cfg.model.min_pixels, cfg.model.max_pixels,
              cfg.model.dtype, dataclasses.asdict(cfg.sft)]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
