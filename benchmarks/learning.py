@@ -4,7 +4,8 @@ From the SFT warm start on the teacher's demonstrations, trains TRICO (turn_gae 
 selection), PPO (gae, all tokens) and GRPO for `--minutes` CPU-minutes each (per training seed),
 and a control that spends the same CPU time on more SFT on the teacher's data. Every method is
 evaluated on the same distinct held-out levels (greedy and sampled, 95% Wilson intervals) next to
-the teacher, the solver and a random policy. Writes results.json, table.md and learning.png.
+the teacher, the solver, a random policy and the best blind plan (`vagen.demos.blind_success`).
+Writes results.json, table.md and learning.png.
 
     python benchmarks/learning.py                       # full: hours of CPU
     python benchmarks/learning.py --quick               # 64 levels, 1 seed, 5 minutes per method
@@ -198,7 +199,7 @@ def table(results) -> str:
     lines = ["| env | method | seed | greedy success [95% CI] | sampled success [95% CI] | greedy return | "
              "sampled return | best greedy | CPU-min |", "|---|---|---|---|---|---|---|---|---|"]
     for env, res in results.items():
-        for name in ("random", "teacher", "solver"):
+        for name in [n for n in ("random", "blind", "teacher", "solver") if n in res["baselines"]]:
             row = res["baselines"][name]
             lines.append(f"| {env} | {name} | - | {interval(row)} | - | {row['return']:.2f} | - | - | 0 |")
         ws = res["warm_start"]
@@ -291,7 +292,7 @@ def main(argv=None) -> int:
 
     from vagen import sft
     from vagen.config import load_config
-    from vagen.demos import distinct_eval_seeds, scripted_success
+    from vagen.demos import blind_success, distinct_eval_seeds, scripted_success
     from vagen.models import resolve_model_path
     from vagen.train import init_distributed
 
@@ -319,6 +320,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         build_minutes = (time.perf_counter() - t0) / 60
         baselines = {p: scripted_success(cfg.env, p, seeds, cfg.rollout.max_turns) for p in ("random", "teacher", "solver")}
+        baselines["blind"] = blind_success(cfg.env, seeds, cfg.rollout.max_turns)
         res = {"eval_n": len(seeds), "baselines": baselines, "warm_start_build_minutes": build_minutes,
                "warm_start_path": str(warm_start), "warm_start": evaluate(warm_start, cfg, seeds), "methods": {}}
         print(f"  teacher {baselines['teacher']['success']:.3f}  solver {baselines['solver']['success']:.3f}  "

@@ -6,6 +6,7 @@ import envs_visual
 from envs_visual.base import PROMPT_FORMATS, format_response
 from vagen.config import load_config
 from vagen.demos import (
+    blind_success,
     collect_demos,
     demo_episode,
     distinct_eval_seeds,
@@ -47,6 +48,26 @@ def test_solver_beats_teacher_and_teacher_beats_random_on_sokoban():
     rates = {p: scripted_success(cfg.env, p, seeds, cfg.rollout.max_turns)["success"]
              for p in ("solver", "teacher", "random")}
     assert rates["solver"] > rates["teacher"] > rates["random"], rates
+
+
+def test_blind_baseline_is_the_best_solver_plan_played_without_looking():
+    cfg = load_config("frozenlake_visual")
+    seeds = distinct_eval_seeds(cfg.env, 64)
+    blind = blind_success(cfg.env, seeds, cfg.rollout.max_turns, candidates=16)
+    plan = blind["plan"]
+    assert sorted(plan) == ["Down"] * 3 + ["Right"] * 3  # a shortest way from corner to corner
+    env = envs_visual.make("frozenlake", render_mode="text", prompt_format="no_think")
+    successes = 0
+    for seed in seeds:  # the same plan, one action per step
+        env.reset(seed=seed)
+        for action in plan:
+            _, _, terminated, _, info = env.step(f"<answer>{action}</answer>")
+            if terminated:
+                break
+        successes += info["success"]
+    assert blind["successes"] == successes and blind["n"] == 64
+    teacher = scripted_success(cfg.env, "teacher", seeds, cfg.rollout.max_turns)["success"]
+    assert 0 < blind["success"] < teacher
 
 
 def test_demonstrations_use_distinct_levels_and_never_evaluation_levels():

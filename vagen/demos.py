@@ -254,6 +254,43 @@ def scripted_success(cfg_env, policy: str, seeds: list[int], max_turns: int) -> 
             "successes": successes, "n": len(demos)}
 
 
+def blind_success(cfg_env, seeds: list[int], max_turns: int, candidates: int = 64) -> dict:
+    """The best policy that never looks: each distinct solver solution of up to `candidates` training
+    levels (evaluation levels excluded) is played open-loop on every level of `seeds` (chunks of
+    `max_actions_per_turn` per turn); returns the best plan's success rate, mean return and the plan.
+    A warm start near this rate has learned the common moves, not to read the observation."""
+    env = make_env(cfg_env, {"render_mode": "text"})
+    env.prompt_format = "no_think"
+    plans, excluded, seed = [], set(), 0
+    for eval_seed in seeds:
+        env.reset(seed=eval_seed)
+        excluded.add(level_key(env))
+    while len(plans) < candidates and seed < 50 * candidates:
+        env.reset(seed=seed)
+        plan = env.solve() if level_key(env) not in excluded else None
+        if plan and plan not in plans:
+            plans.append(plan)
+        seed += 1
+    per_turn = env.max_actions_per_turn
+    best = {"success": -1.0}
+    for plan in plans:
+        successes, total = 0, 0.0
+        for eval_seed in seeds:
+            env.reset(seed=eval_seed)
+            info = {"success": False}
+            for start in range(0, min(len(plan), per_turn * max_turns), per_turn):
+                _, reward, terminated, truncated, info = env.step(
+                    f"<answer>{', '.join(plan[start:start + per_turn])}</answer>")
+                total += reward
+                if terminated or truncated:
+                    break
+            successes += bool(info["success"])
+        if successes / len(seeds) > best["success"]:
+            best = {"success": successes / len(seeds), "return": total / len(seeds), "successes": successes,
+                    "n": len(seeds), "plan": plan}
+    return best
+
+
 def demo_episode(demo: Demo, env, encoder: ChatEncoder, group_id: int = 0) -> Episode:
     """Replay `demo` through `env` (fresh, same params in any render mode) into an `Episode` built
     exactly as `rollout` builds one; raises if the env returns different rewards than recorded."""

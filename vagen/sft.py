@@ -336,9 +336,9 @@ def main(argv=None) -> int:
 
 
 def report(cfg, checkpoint: Path, n: int) -> dict:
-    """Held-out greedy and sampled success of `checkpoint` next to the teacher's, solver's and a
-    random policy's on the same distinct evaluation levels."""
-    from vagen.demos import distinct_eval_seeds, scripted_success
+    """Held-out greedy and sampled success of `checkpoint` next to the teacher's, solver's, a random
+    policy's and the best blind plan's (`vagen.demos.blind_success`) on the same evaluation levels."""
+    from vagen.demos import blind_success, distinct_eval_seeds, scripted_success
     from vagen.models import load_policy
     from vagen.rollout import ChatEncoder, wilson_interval
 
@@ -350,6 +350,7 @@ def report(cfg, checkpoint: Path, n: int) -> dict:
         rows[name] = held_out_metrics(model, encoder, cfg, seeds, do_sample=sample)
     for policy in ("teacher", "solver", "random"):
         rows[policy] = scripted_success(cfg.env, policy, seeds, cfg.rollout.max_turns)
+    rows["blind"] = blind_success(cfg.env, seeds, cfg.rollout.max_turns)
     for name, row in rows.items():
         low, high = wilson_interval(row["successes"], row["n"])
         print(f"{name:12s} success {row['success']:.3f} [{low:.3f}, {high:.3f}]  return {row['return']:.3f}  "
