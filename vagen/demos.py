@@ -271,8 +271,11 @@ def blind_success(cfg_env, seeds: list[int], max_turns: int, candidates: int = 6
         if plan and plan not in plans:
             plans.append(plan)
         seed += 1
+    if not plans:
+        raise RuntimeError(f"the {cfg_env.name} solver found no plan on {seed} training levels, so there is no "
+                           f"blind baseline; check the env's solve()")
     per_turn = env.max_actions_per_turn
-    best = {"success": -1.0}
+    best: dict = {}
     for plan in plans:
         successes, total = 0, 0.0
         for eval_seed in seeds:
@@ -285,7 +288,7 @@ def blind_success(cfg_env, seeds: list[int], max_turns: int, candidates: int = 6
                 if terminated or truncated:
                     break
             successes += bool(info["success"])
-        if successes / len(seeds) > best["success"]:
+        if not best or successes / len(seeds) > best["success"]:
             best = {"success": successes / len(seeds), "return": total / len(seeds), "successes": successes,
                     "n": len(seeds), "plan": plan}
     return best
