@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from vagen.config import available_configs, from_dict, load_config
-from vagen.train import main
+from vagen.train import cpu_threads, main
 
 FAST = ["train.iterations=2", "rollout.env_groups=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
         "rollout.max_turns=2", "train.mini_batch_size=4", "train.micro_batch_size=2", "log.progress=false",
@@ -100,3 +100,14 @@ def test_optional_algorithm_pieces_run(extra, expected, tmp_path, model_cache, d
     if "train.critic_warmup=1" in extra:
         assert "actor/pg_loss" not in first and "critic/vf_loss" in first and "actor/pg_loss" in last
         assert "actor/kl_loss" not in last  # KL went into the reward, not the loss
+
+
+def test_cpu_threads_share_the_cores_unless_omp_num_threads_says_otherwise(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert [cpu_threads(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two runs side by side on a laptop
+    assert cpu_threads(1) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS='two' is not a positive whole number"):
+        cpu_threads(1)

@@ -147,9 +147,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def cpu_threads(local_world: int) -> int:
+    """Torch threads for one of `local_world` processes on this machine's CPU: OMP_NUM_THREADS when
+    set (the user's or the launcher's choice), else the cores shared out evenly."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"OMP_NUM_THREADS={value!r} is not a positive whole number; set it to the threads "
+                             f"each process may use (e.g. 1), or unset it to share the cores out evenly")
+        return int(value)
+    return max(1, (os.cpu_count() or 1) // local_world)
+
+
 def init_distributed():
     """Join the process group the DeepSpeed launcher describes (or a group of one under plain
-    `python`): gloo and cores / processes threads each on CPU, NCCL with one GPU per rank on GPUs."""
+    `python`): gloo and `cpu_threads` threads each on CPU, NCCL with one GPU per rank on GPUs."""
     import torch
 
     from vagen.run import Dist
@@ -163,8 +175,7 @@ def init_distributed():
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         # Two processes on two cores with default threading measured 4.6x slower than one thread each.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
