@@ -143,14 +143,9 @@ def run_more_sft(warm_start, cfg, seed, args, seeds, dist) -> list[dict]:
 
 
 def run_method(method, warm_start, cfg_name, cfg, seed, args, seeds, out: Path, dist) -> list[dict]:
-    import torch
-
     if method == "more-SFT":
-        curve = run_more_sft(warm_start, cfg, seed, args, seeds, dist)
-    else:
-        curve = run_rl(method, METHODS[method], warm_start, cfg_name, seed, args, seeds, out, cfg)
-    torch.set_num_threads(args.threads)
-    return curve
+        return run_more_sft(warm_start, cfg, seed, args, seeds, dist)
+    return run_rl(method, METHODS[method], warm_start, cfg_name, seed, args, seeds, out, cfg)
 
 
 def run_in_children(env: str, args, out: Path) -> dict[str, dict[int, list[dict]]]:
@@ -286,9 +281,8 @@ def main(argv=None) -> int:
         results = json.loads((Path(args.out) / "results.json").read_text())
         write_report(results, Path(args.out))
         return 0
-    # init_distributed gives each rank cpu_count / LOCAL_WORLD_SIZE threads: this sets --threads.
-    os.environ["LOCAL_WORLD_SIZE"] = str(max(1, (os.cpu_count() or 1) // args.threads))
-    import torch
+    # every init_distributed (here, and in each training chunk) sets torch threads from this
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
     from vagen import sft
     from vagen.config import load_config
@@ -297,7 +291,6 @@ def main(argv=None) -> int:
     from vagen.train import init_distributed
 
     dist = init_distributed()
-    torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -309,7 +302,6 @@ def main(argv=None) -> int:
         if args.part:  # a child of --jobs: one (method, seed), the warm start is cached
             base = resolve_model_path(cfg.model.path, cfg.model.builtin_cache)
             warm_start = sft.warm_start_checkpoint(cfg, base, dist)
-            torch.set_num_threads(args.threads)
             curve = run_method(args.methods[0], warm_start, cfg_name, cfg, args.only_seed, args, seeds, out, dist)
             Path(args.part).write_text(json.dumps(curve, default=float))
             return 0
@@ -317,7 +309,6 @@ def main(argv=None) -> int:
         base = resolve_model_path(cfg.model.path, cfg.model.builtin_cache)
         t0 = time.perf_counter()
         warm_start = sft.warm_start_checkpoint(cfg, base, dist)
-        torch.set_num_threads(args.threads)
         build_minutes = (time.perf_counter() - t0) / 60
         baselines = {p: scripted_success(cfg.env, p, seeds, cfg.rollout.max_turns) for p in ("random", "teacher", "solver")}
         baselines["blind"] = blind_success(cfg.env, seeds, cfg.rollout.max_turns)

@@ -4,7 +4,8 @@ import pytest
 import yaml
 
 from vagen.config import available_configs, from_dict, load_config
-from vagen.train import cpu_threads, main
+from vagen.run import cpu_threads
+from vagen.train import main
 
 FAST = ["train.iterations=2", "rollout.env_groups=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
         "rollout.max_turns=2", "train.mini_batch_size=4", "train.micro_batch_size=2", "log.progress=false",

@@ -237,7 +237,7 @@ def main(argv=None) -> int:
 
     from vagen.models import load_policy
     from vagen.rollout import ChatEncoder
-    from vagen.run import Dist
+    from vagen.run import Dist, cpu_threads
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     dist = Dist(rank, world, int(os.environ.get("LOCAL_RANK", "0")), device)
     model, processor = load_policy(checkpoint, cfg.model.dtype)
     model.to(device)

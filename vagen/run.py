@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,18 @@ class Dist:
     @property
     def active(self) -> bool:
         return torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1
+
+
+def cpu_threads(local_world: int) -> int:
+    """Torch threads for one of `local_world` processes on this machine's CPU: OMP_NUM_THREADS when
+    set (the user's or the launcher's choice), else the cores shared out evenly."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"OMP_NUM_THREADS={value!r} is not a positive whole number; set it to the threads "
+                             f"each process may use (e.g. 1), or unset it to share the cores out evenly")
+        return int(value)
+    return max(1, (os.cpu_count() or 1) // local_world)
 
 
 def reduce_metrics(stats: dict[str, float], dist: Dist) -> dict[str, float]:

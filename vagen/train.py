@@ -147,24 +147,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def cpu_threads(local_world: int) -> int:
-    """Torch threads for one of `local_world` processes on this machine's CPU: OMP_NUM_THREADS when
-    set (the user's or the launcher's choice), else the cores shared out evenly."""
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    if value:
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"OMP_NUM_THREADS={value!r} is not a positive whole number; set it to the threads "
-                             f"each process may use (e.g. 1), or unset it to share the cores out evenly")
-        return int(value)
-    return max(1, (os.cpu_count() or 1) // local_world)
-
-
 def init_distributed():
     """Join the process group the DeepSpeed launcher describes (or a group of one under plain
-    `python`): gloo and `cpu_threads` threads each on CPU, NCCL with one GPU per rank on GPUs."""
+    `python`): gloo and `vagen.run.cpu_threads` threads each on CPU, NCCL with one GPU per rank on GPUs."""
     import torch
 
-    from vagen.run import Dist
+    from vagen.run import Dist, cpu_threads
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
