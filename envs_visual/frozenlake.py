@@ -26,8 +26,9 @@ turn when the response parses and all its actions are valid.
 
 ## Helpers
 `FrozenLakeEnv.solve()` gives a shortest action list from the current position avoiding holes
-(BFS; it ignores slipping). `teacher_action(state)` is a cheap imperfect policy: step toward the
-goal, never into an adjacent hole, else any safe step.
+(BFS; it ignores slipping). `teacher_action(state, rng, style)` is a cheap imperfect policy: step toward
+the goal along the preferred axis (`TEACHER_STYLES`: rows or columns first), never into an
+adjacent hole, else any safe step.
 """
 
 from __future__ import annotations
@@ -104,16 +105,25 @@ def generate_level(seed: int, size: int = 4, p: float = 0.8, max_attempts: int =
     )
 
 
-def teacher_action(state: dict[str, Any], rng: np.random.Generator | None = None) -> str:
+# Axis preferences of the teacher, one drawn per demonstrated episode (see `teacher_action`).
+TEACHER_STYLES = ("rows", "columns")
+
+
+def teacher_action(state: dict[str, Any], rng: np.random.Generator | None = None, style: str = "rows") -> str:
     """An imperfect demonstrator for `FrozenLakeEnv.state()`: among the moves that bring the player
-    closer to the goal, take one whose cell is not a hole (rows before columns); if there is none,
-    any move onto the map that is not a hole; `rng` only breaks the last-resort choice. It does not
-    plan, so it can walk into dead ends and oscillate."""
+    closer to the goal, take one whose cell is not a hole, rows before columns (`style="rows"`) or
+    columns before rows (`style="columns"`); if there is none, any move onto the map that is not a
+    hole; `rng` only breaks the last-resort choice. It does not plan, so it can walk into dead ends
+    and oscillate. On 4x4 maps with the corner layout either style alone solves about 68% of the
+    levels and the better of the two 93%: which axis to prefer depends on the map."""
+    if style not in TEACHER_STYLES:
+        raise ValueError(f"unknown FrozenLake teacher style {style!r}; choices: {', '.join(TEACHER_STYLES)}")
     n = state["size"][0]
     (r, c), (gr, gc) = state["player"], state["goal"]
     holes = {tuple(h) for h in state["holes"]}
     closer, safe = [], []
-    for name in ("Down", "Up", "Right", "Left"):
+    order = ("Down", "Up", "Right", "Left") if style == "rows" else ("Right", "Left", "Down", "Up")
+    for name in order:
         dr, dc = DIRECTIONS[name]
         nxt = (r + dr, c + dc)
         if not (0 <= nxt[0] < n and 0 <= nxt[1] < n) or nxt in holes:

@@ -161,3 +161,34 @@ def test_play_demo_rejects_unknown_policy():
     cfg = load_config("frozenlake_text")
     with pytest.raises(ValueError, match="choices: teacher, solver"):
         play_demo(make_env(cfg.env), 0, "oracle", 3)
+
+
+def test_a_drawn_teacher_style_holds_for_the_episode_and_is_said():
+    cfg = load_config("frozenlake_visual")
+    env = make_env(cfg.env, {"render_mode": "text"})
+    firsts = []
+    for demo in collect_demos(cfg.env, "teacher", 40, cfg.rollout.max_turns, draw_style=True):
+        sentences = {r.split("<think>")[1].split(".")[0] for r in demo.responses}
+        assert len(sentences) == 1 and sentences <= {"Rows first", "Columns first"}, demo.responses
+        style = "rows" if sentences == {"Rows first"} else "columns"
+        replay = play_demo(env, demo.seed, "teacher", cfg.rollout.max_turns, style=style)
+        assert [r.split("<answer>")[1] for r in replay.responses] == [r.split("<answer>")[1] for r in demo.responses]
+        firsts.append(style)
+    assert 10 < firsts.count("rows") < 30  # drawn per episode, about half each
+    default = collect_demos(cfg.env, "teacher", 40, cfg.rollout.max_turns)  # rows first, unsaid (sft.teacher_styles)
+    assert not any(r.startswith(("<think>Rows first", "<think>Columns first")) for d in default for r in d.responses)
+    assert all(play_demo(env, d.seed, "teacher", cfg.rollout.max_turns, style="rows").responses[0].split("<answer>")[1]
+               == d.responses[0].split("<answer>")[1] for d in default)
+    solver = play_demo(env, 3, "solver", cfg.rollout.max_turns, draw_style=True)
+    assert not any(r.startswith(("<think>Rows first", "<think>Columns first")) for r in solver.responses)
+
+
+def test_each_teacher_style_solves_maps_the_other_does_not():
+    """Which axis to prefer depends on the map: the better style per level beats either style."""
+    cfg = load_config("frozenlake_visual")
+    env = make_env(cfg.env, {"render_mode": "text"})
+    seeds = distinct_eval_seeds(cfg.env, 64)
+    solved = {style: {s for s in seeds if play_demo(env, s, "teacher", cfg.rollout.max_turns, style=style).success}
+              for style in ("rows", "columns")}
+    assert solved["rows"] - solved["columns"] and solved["columns"] - solved["rows"]
+    assert len(solved["rows"] | solved["columns"]) >= 0.85 * len(seeds) > max(map(len, solved.values()))

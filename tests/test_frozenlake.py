@@ -168,3 +168,22 @@ def test_teacher_avoids_adjacent_holes_and_usually_succeeds():
         successes += info["success"]
     assert successes / 60 > 0.6
     assert teacher_action(make_level("P_O\n_OG\n___").state()) == "Down"
+
+
+def test_teacher_styles_mirror_each_other_and_reject_unknown_styles():
+    # P _ _      "rows" steps down, "columns" right; on the transposed map each does the other's move
+    # _ O _
+    # _ _ G
+    level = make_level("P__\n_O_\n__G").state()
+    assert teacher_action(level, style="rows") == "Down"
+    assert teacher_action(level, style="columns") == "Right"
+    env = envs_visual.make("frozenlake", render_mode="text")
+    swap = {"Down": "Right", "Right": "Down", "Up": "Left", "Left": "Up"}
+    for seed in range(40):
+        env.reset(seed=seed)
+        state = env.state()
+        transposed = {**state, "player": state["player"][::-1], "goal": state["goal"][::-1],
+                      "holes": [tuple(h)[::-1] for h in state["holes"]]}
+        assert teacher_action(transposed, style="columns") == swap[teacher_action(state, style="rows")], seed
+    with pytest.raises(ValueError, match="unknown FrozenLake teacher style 'diagonal'.*rows, columns"):
+        teacher_action(level, style="diagonal")

@@ -126,6 +126,8 @@ class SFTConfig:
     check_every: int = _f(50, "steps between checks of answer accuracy on held-out demonstrations")
     patience: int = _f(4, "stop after this many checks without a better held-out answer accuracy")
     val_demos: int = _f(128, "held-out demonstrations for the convergence check")
+    teacher_styles: bool = _f(False, "draw the teacher's style per episode (FrozenLake: rows or columns first) "
+                                     "and state it in the reasoning; false: its default style, unstated")
 
 
 @dataclass

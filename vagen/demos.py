@@ -101,8 +101,13 @@ def _decision(actions: list[str], verb: str, rng: np.random.Generator) -> str:
     return [f"I {verb} {first}.", f"So I {verb} {first}.", f"{actions[0]} first."][int(rng.integers(3))]
 
 
-def frozenlake_reasoning(state: dict, actions: list[str], rng: np.random.Generator) -> dict[str, str]:
-    """Where the goal is relative to the player, which neighbours are holes, the next move."""
+_STYLE_SENTENCES = {"rows": "Rows first.", "columns": "Columns first."}
+
+
+def frozenlake_reasoning(state: dict, actions: list[str], rng: np.random.Generator,
+                         style: str | None = None) -> dict[str, str]:
+    """The teacher's axis preference (`style`, first, in the same words every turn), where the goal is
+    relative to the player, which neighbours are holes, the next move."""
     (r, c), (gr, gc) = state["player"], state["goal"]
     holes = {tuple(h) for h in state["holes"]}
     near = [sides for (dr, dc), sides in _SIDES.items() if (r + dr, c + dc) in holes]
@@ -115,11 +120,12 @@ def frozenlake_reasoning(state: dict, actions: list[str], rng: np.random.Generat
     else:
         danger = "No hole near." if rng.integers(2) else ""
     observation = f"I am at row {r}, column {c}; the goal is at row {gr}, column {gc}."
-    reasoning = " ".join(p for p in (goal, danger, _decision(actions, "go", rng)) if p)
+    reasoning = " ".join(p for p in (_STYLE_SENTENCES.get(style, ""), goal, danger, _decision(actions, "go", rng)) if p)
     return {"observation": observation, "reasoning": reasoning}
 
 
-def sokoban_reasoning(state: dict, actions: list[str], rng: np.random.Generator) -> dict[str, str]:
+def sokoban_reasoning(state: dict, actions: list[str], rng: np.random.Generator,
+                      style: str | None = None) -> dict[str, str]:
     """Where the nearest box off target is relative to the player and its target relative to the box."""
     r, c = state["player"]
     targets = set(map(tuple, state["targets"]))
@@ -147,12 +153,14 @@ def _pushes(state: dict, action: str) -> bool:
 REASONING = {"frozenlake": frozenlake_reasoning, "sokoban": sokoban_reasoning}
 
 
-def reasoning(env_name: str, state: dict, actions: list[str], rng: np.random.Generator) -> dict[str, str]:
-    """Fields of the <think> block for `actions` taken in `state` of grid env `env_name`."""
+def reasoning(env_name: str, state: dict, actions: list[str], rng: np.random.Generator,
+              style: str | None = None) -> dict[str, str]:
+    """Fields of the <think> block for `actions` taken in `state` of grid env `env_name` by a teacher
+    of `style` (None: no style, e.g. the solver)."""
     if env_name not in REASONING:
         raise ValueError(f"no demonstrations for env {env_name!r}: reasoning is written for "
                          f"{', '.join(REASONING)}; use one of them or add a <name>_reasoning to vagen/demos.py")
-    return REASONING[env_name](state, actions, rng)
+    return REASONING[env_name](state, actions, rng, style)
 
 
 def _prediction(env_name: str, after: dict, success: bool) -> str:
@@ -172,7 +180,12 @@ def _shadow(env):
     return sim
 
 
-def _plan(env, policy: str, rng: np.random.Generator) -> tuple[list[str], dict, bool]:
+def teacher_styles(env) -> tuple:
+    """The styles the env's teacher can be played in (its module's `TEACHER_STYLES`), or `(None,)`."""
+    return getattr(importlib.import_module(type(env).__module__), "TEACHER_STYLES", (None,))
+
+
+def _plan(env, policy: str, rng: np.random.Generator, style: str | None = None) -> tuple[list[str], dict, bool]:
     """Up to `max_actions_per_turn` actions from the env's current state, simulated on a shadow copy;
     returns (actions, state after them, success after them)."""
     sim = _shadow(env)
@@ -183,7 +196,8 @@ def _plan(env, policy: str, rng: np.random.Generator) -> tuple[list[str], dict, 
         count = int(rng.integers(1, env.max_actions_per_turn + 1))
         wanted = [env.action_names[int(i)] for i in rng.integers(len(env.action_names), size=count)]
     else:
-        teacher = importlib.import_module(type(env).__module__).teacher_action
+        teach = importlib.import_module(type(env).__module__).teacher_action
+        teacher = teach if style is None else (lambda state, rng: teach(state, rng, style))
     actions, success = [], False
     for i in range(env.max_actions_per_turn):
         if policy != "teacher":
@@ -200,17 +214,25 @@ def _plan(env, policy: str, rng: np.random.Generator) -> tuple[list[str], dict, 
     return actions, sim.state(), success
 
 
-def play_demo(env, seed: int, policy: str, max_turns: int) -> Demo:
-    """Play one episode of `policy` (teacher | solver) on `env` from `seed`."""
+def play_demo(env, seed: int, policy: str, max_turns: int, style: str | None = None,
+              draw_style: bool = False) -> Demo:
+    """Play one episode of `policy` (teacher | solver | random) on `env` from `seed`. A teacher with
+    styles (`teacher_styles`) plays the given `style`, or with `draw_style` one drawn from the seed
+    for the whole episode, and then says which in its reasoning; else its default style, unsaid."""
     if policy not in POLICIES:
         raise ValueError(f"unknown demonstration policy {policy!r}; choices: {', '.join(POLICIES)}")
     env.reset(seed=seed)
     demo = Demo(seed, level_key(env))
     rng = np.random.default_rng([seed, 7])
+    if policy != "teacher":
+        style = None
+    elif style is None and draw_style:  # own generator: a drawn style's episode is the one played given it
+        styles = teacher_styles(env)
+        style = styles[int(np.random.default_rng([seed, 11]).integers(len(styles)))]
     for _ in range(max_turns):
         state = env.state()
-        actions, after, success = _plan(env, policy, rng)
-        fields = reasoning(env.name, state, actions, rng)
+        actions, after, success = _plan(env, policy, rng, style)
+        fields = reasoning(env.name, state, actions, rng, style)
         fields["prediction"] = _prediction(env.name, after, success)
         response = format_response(env.prompt_format, ", ".join(actions), fields)
         _, reward, terminated, truncated, info = env.step(response)
@@ -224,7 +246,7 @@ def play_demo(env, seed: int, policy: str, max_turns: int) -> Demo:
 
 
 def collect_demos(cfg_env, policy: str, n: int, max_turns: int, exclude: set[str] = frozenset(),
-                  start_seed: int = 0, max_draws: int | None = None) -> list[Demo]:
+                  start_seed: int = 0, max_draws: int | None = None, draw_style: bool = False) -> list[Demo]:
     """`n` demonstrations on distinct levels from training seeds `start_seed, start_seed + 1, …`,
     skipping levels in `exclude` (e.g. `eval_level_keys`). Played in text render mode (same levels,
     same dynamics, no frames drawn)."""
@@ -240,15 +262,33 @@ def collect_demos(cfg_env, policy: str, n: int, max_turns: int, exclude: set[str
         key = level_key(env)
         if key not in seen:
             seen.add(key)
-            demos.append(play_demo(env, seed, policy, max_turns))
+            demos.append(play_demo(env, seed, policy, max_turns, draw_style=draw_style))
         seed += 1
     return demos
 
 
-def scripted_success(cfg_env, policy: str, seeds: list[int], max_turns: int) -> dict[str, float]:
+def scripted_success(cfg_env, policy: str, seeds: list[int], max_turns: int,
+                     draw_style: bool = False) -> dict[str, float]:
     """Success rate and mean return of a scripted policy on `seeds` (one episode each)."""
     env = make_env(cfg_env, {"render_mode": "text"})
-    demos = [play_demo(env, seed, policy, max_turns) for seed in seeds]
+    demos = [play_demo(env, seed, policy, max_turns, draw_style=draw_style) for seed in seeds]
+    successes = sum(d.success for d in demos)
+    return {"success": successes / len(demos), "return": sum(d.total_reward for d in demos) / len(demos),
+            "successes": successes, "n": len(demos)}
+
+
+def best_style_success(cfg_env, seeds: list[int], max_turns: int) -> dict[str, float] | None:
+    """Success rate and mean return of the teacher when each level is played in whichever of its
+    styles succeeds there (the first that does, else the first style): what a policy that has
+    learned only to choose the style per level can reach. None for a teacher without styles."""
+    env = make_env(cfg_env, {"render_mode": "text"})
+    styles = teacher_styles(env)
+    if len(styles) < 2:
+        return None
+    demos = []
+    for seed in seeds:
+        tries = [play_demo(env, seed, "teacher", max_turns, style=style) for style in styles]
+        demos.append(next((d for d in tries if d.success), tries[0]))
     successes = sum(d.success for d in demos)
     return {"success": successes / len(demos), "return": sum(d.total_reward for d in demos) / len(demos),
             "successes": successes, "n": len(demos)}

@@ -36,7 +36,8 @@ def demo_sets(cfg, policy: str):
     from vagen.demos import collect_demos, eval_level_keys
 
     exclude = eval_level_keys(cfg.env, cfg.sft.exclude_eval)
-    demos = collect_demos(cfg.env, policy, cfg.sft.demos + cfg.sft.val_demos, cfg.rollout.max_turns, exclude)
+    demos = collect_demos(cfg.env, policy, cfg.sft.demos + cfg.sft.val_demos, cfg.rollout.max_turns, exclude,
+                          draw_style=cfg.sft.teacher_styles)
     return demos[: cfg.sft.demos], demos[cfg.sft.demos:]
 
 
@@ -336,9 +337,10 @@ def main(argv=None) -> int:
 
 
 def report(cfg, checkpoint: Path, n: int) -> dict:
-    """Held-out greedy and sampled success of `checkpoint` next to the teacher's, solver's, a random
-    policy's and the best blind plan's (`vagen.demos.blind_success`) on the same evaluation levels."""
-    from vagen.demos import blind_success, distinct_eval_seeds, scripted_success
+    """Held-out greedy and sampled success of `checkpoint` next to the teacher's (and, for a teacher
+    with styles, its best style per level), the solver's, a random policy's and the best blind plan's
+    (`vagen.demos.blind_success`) on the same evaluation levels."""
+    from vagen.demos import best_style_success, blind_success, distinct_eval_seeds, scripted_success
     from vagen.models import load_policy
     from vagen.rollout import ChatEncoder, wilson_interval
 
@@ -349,8 +351,11 @@ def report(cfg, checkpoint: Path, n: int) -> dict:
     for name, sample in (("sft greedy", False), ("sft sampled", True)):
         rows[name] = held_out_metrics(model, encoder, cfg, seeds, do_sample=sample)
     for policy in ("teacher", "solver", "random"):
-        rows[policy] = scripted_success(cfg.env, policy, seeds, cfg.rollout.max_turns)
+        rows[policy] = scripted_success(cfg.env, policy, seeds, cfg.rollout.max_turns, cfg.sft.teacher_styles)
     rows["blind"] = blind_success(cfg.env, seeds, cfg.rollout.max_turns)
+    best_style = best_style_success(cfg.env, seeds, cfg.rollout.max_turns)
+    if best_style:
+        rows["best style"] = best_style
     for name, row in rows.items():
         low, high = wilson_interval(row["successes"], row["n"])
         print(f"{name:12s} success {row['success']:.3f} [{low:.3f}, {high:.3f}]  return {row['return']:.3f}  "
