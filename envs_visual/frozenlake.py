@@ -105,7 +105,7 @@ def generate_level(seed: int, size: int = 4, p: float = 0.8, max_attempts: int =
     )
 
 
-# Axis preferences of the teacher, one drawn per demonstrated episode (see `teacher_action`).
+# Axis preferences of the teacher (see `teacher_action`); `sft.teacher_styles` draws one per episode.
 TEACHER_STYLES = ("rows", "columns")
 
 

@@ -14,6 +14,7 @@ duplicates are dropped and levels of evaluation seeds are never demonstrated.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import json
 from dataclasses import dataclass, field
@@ -197,7 +198,7 @@ def _plan(env, policy: str, rng: np.random.Generator, style: str | None = None) 
         wanted = [env.action_names[int(i)] for i in rng.integers(len(env.action_names), size=count)]
     else:
         teach = importlib.import_module(type(env).__module__).teacher_action
-        teacher = teach if style is None else (lambda state, rng: teach(state, rng, style))
+        teacher = teach if style is None else functools.partial(teach, style=style)
     actions, success = [], False
     for i in range(env.max_actions_per_turn):
         if policy != "teacher":
@@ -271,7 +272,10 @@ def scripted_success(cfg_env, policy: str, seeds: list[int], max_turns: int,
                      draw_style: bool = False) -> dict[str, float]:
     """Success rate and mean return of a scripted policy on `seeds` (one episode each)."""
     env = make_env(cfg_env, {"render_mode": "text"})
-    demos = [play_demo(env, seed, policy, max_turns, draw_style=draw_style) for seed in seeds]
+    return _rates([play_demo(env, seed, policy, max_turns, draw_style=draw_style) for seed in seeds])
+
+
+def _rates(demos: list[Demo]) -> dict[str, float]:
     successes = sum(d.success for d in demos)
     return {"success": successes / len(demos), "return": sum(d.total_reward for d in demos) / len(demos),
             "successes": successes, "n": len(demos)}
@@ -289,9 +293,7 @@ def best_style_success(cfg_env, seeds: list[int], max_turns: int) -> dict[str, f
     for seed in seeds:
         tries = [play_demo(env, seed, "teacher", max_turns, style=style) for style in styles]
         demos.append(next((d for d in tries if d.success), tries[0]))
-    successes = sum(d.success for d in demos)
-    return {"success": successes / len(demos), "return": sum(d.total_reward for d in demos) / len(demos),
-            "successes": successes, "n": len(demos)}
+    return _rates(demos)
 
 
 def blind_success(cfg_env, seeds: list[int], max_turns: int, candidates: int = 64) -> dict:
