@@ -286,7 +286,7 @@ def main(argv=None) -> int:
 
     from vagen import sft
     from vagen.config import load_config
-    from vagen.demos import best_style_success, blind_success, distinct_eval_seeds, scripted_success
+    from vagen.demos import distinct_eval_seeds, scripted_baselines
     from vagen.models import resolve_model_path
     from vagen.train import init_distributed
 
@@ -310,12 +310,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         warm_start = sft.warm_start_checkpoint(cfg, base, dist)
         build_minutes = (time.perf_counter() - t0) / 60
-        baselines = {p: scripted_success(cfg.env, p, seeds, cfg.rollout.max_turns, cfg.sft.teacher_styles)
-                     for p in ("random", "teacher", "solver")}
-        baselines["blind"] = blind_success(cfg.env, seeds, cfg.rollout.max_turns)
-        best_style = best_style_success(cfg.env, seeds, cfg.rollout.max_turns)
-        if best_style:  # the teacher's styles differ by level: the ceiling of choosing the style
-            baselines["teacher, best style"] = best_style
+        baselines = scripted_baselines(cfg, seeds)
         res = {"eval_n": len(seeds), "baselines": baselines, "warm_start_build_minutes": build_minutes,
                "warm_start_path": str(warm_start), "warm_start": evaluate(warm_start, cfg, seeds), "methods": {}}
         print(f"  teacher {baselines['teacher']['success']:.3f}  solver {baselines['solver']['success']:.3f}  "

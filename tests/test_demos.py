@@ -14,6 +14,7 @@ from vagen.demos import (
     frozenlake_reasoning,
     level_key,
     play_demo,
+    scripted_baselines,
     scripted_success,
     sokoban_reasoning,
 )
@@ -192,3 +193,15 @@ def test_each_teacher_style_solves_maps_the_other_does_not():
               for style in ("rows", "columns")}
     assert solved["rows"] - solved["columns"] and solved["columns"] - solved["rows"]
     assert len(solved["rows"] | solved["columns"]) >= 0.85 * len(seeds) > max(map(len, solved.values()))
+
+
+def test_scripted_baselines_rank_the_scripted_policies_and_follow_teacher_styles():
+    seeds = distinct_eval_seeds(load_config("frozenlake_visual").env, 64)
+    rows = scripted_baselines(load_config("frozenlake_visual"), seeds)
+    assert list(rows) == ["random", "teacher", "solver", "blind", "teacher, best style"]
+    rate = {name: row["success"] for name, row in rows.items()}
+    assert rate["random"] < rate["blind"] < rate["teacher"] < rate["teacher, best style"] <= rate["solver"] == 1.0
+    drawn = scripted_baselines(load_config("frozenlake_visual", ["sft.teacher_styles=true"]), seeds)["teacher"]
+    env = make_env(load_config("frozenlake_visual").env, {"render_mode": "text"})
+    assert drawn["successes"] == sum(play_demo(env, s, "teacher", 3, draw_style=True).success for s in seeds)
+    assert "teacher, best style" not in scripted_baselines(load_config("sokoban_text"), seeds[:4])

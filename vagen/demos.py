@@ -296,6 +296,19 @@ def best_style_success(cfg_env, seeds: list[int], max_turns: int) -> dict[str, f
     return _rates(demos)
 
 
+def scripted_baselines(cfg, seeds: list[int]) -> dict[str, dict]:
+    """The rows printed next to a learned policy on the same levels: random valid moves, the teacher
+    (drawing its style per episode when `sft.teacher_styles`), the solver, the best blind plan and,
+    for a teacher with styles, its best style per level."""
+    turns = cfg.rollout.max_turns
+    rows = {p: scripted_success(cfg.env, p, seeds, turns, cfg.sft.teacher_styles) for p in ("random", "teacher", "solver")}
+    rows["blind"] = blind_success(cfg.env, seeds, turns)
+    best_style = best_style_success(cfg.env, seeds, turns)
+    if best_style:  # the teacher's styles differ by level: the ceiling of choosing the style
+        rows["teacher, best style"] = best_style
+    return rows
+
+
 def blind_success(cfg_env, seeds: list[int], max_turns: int, candidates: int = 64) -> dict:
     """The best policy that never looks: each distinct solver solution of up to `candidates` training
     levels (evaluation levels excluded) is played open-loop on every level of `seeds` (chunks of

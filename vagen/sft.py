@@ -340,7 +340,7 @@ def report(cfg, checkpoint: Path, n: int) -> dict:
     """Held-out greedy and sampled success of `checkpoint` next to the teacher's (and, for a teacher
     with styles, its best style per level), the solver's, a random policy's and the best blind plan's
     (`vagen.demos.blind_success`) on the same evaluation levels."""
-    from vagen.demos import best_style_success, blind_success, distinct_eval_seeds, scripted_success
+    from vagen.demos import distinct_eval_seeds, scripted_baselines
     from vagen.models import load_policy
     from vagen.rollout import ChatEncoder, wilson_interval
 
@@ -350,12 +350,7 @@ def report(cfg, checkpoint: Path, n: int) -> dict:
     rows = {}
     for name, sample in (("sft greedy", False), ("sft sampled", True)):
         rows[name] = held_out_metrics(model, encoder, cfg, seeds, do_sample=sample)
-    for policy in ("teacher", "solver", "random"):
-        rows[policy] = scripted_success(cfg.env, policy, seeds, cfg.rollout.max_turns, cfg.sft.teacher_styles)
-    rows["blind"] = blind_success(cfg.env, seeds, cfg.rollout.max_turns)
-    best_style = best_style_success(cfg.env, seeds, cfg.rollout.max_turns)
-    if best_style:
-        rows["best style"] = best_style
+    rows.update(scripted_baselines(cfg, seeds))
     for name, row in rows.items():
         low, high = wilson_interval(row["successes"], row["n"])
         print(f"{name:12s} success {row['success']:.3f} [{low:.3f}, {high:.3f}]  return {row['return']:.3f}  "
