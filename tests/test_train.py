@@ -112,3 +112,18 @@ def test_cpu_threads_share_the_cores_unless_omp_num_threads_says_otherwise(monke
     monkeypatch.setenv("OMP_NUM_THREADS", "two")
     with pytest.raises(ValueError, match="OMP_NUM_THREADS='two' is not a positive whole number"):
         cpu_threads(1)
+
+
+def test_deepspeed_config_batches_and_optimizer():
+    from vagen.train import deepspeed_config
+
+    cfg = load_config("sokoban_visual", ["rollout.env_groups=8", "train.mini_batch_size=32", "train.micro_batch_size=4", "train.actor_lr=2e-5",
+                                         "train.grad_clip=0.5", "train.deepspeed_config=deepspeed/zero2_bf16.json"])
+    ds = deepspeed_config(cfg, 2e-5, world_size=2, on_gpu=True)
+    # 32 per mini-batch over 2 ranks: 16 per rank, micro-batches of 4, so 4 accumulation steps
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (4, 4, 32)
+    assert ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"] and ds["zero_optimization"]["stage"] == 2
+    # torch's AdamW, fused on CUDA: no nvcc build of DeepSpeed's FusedAdam at start
+    assert ds["optimizer"]["params"] == {"betas": [0.9, 0.999], "eps": 1e-8, "lr": 2e-5, "weight_decay": cfg.train.weight_decay,
+                                         "torch_adam": True, "fused": True}
+    assert deepspeed_config(cfg, 2e-5, world_size=1, on_gpu=False)["optimizer"]["params"]["fused"] is False

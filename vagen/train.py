@@ -192,8 +192,9 @@ def deepspeed_config(cfg, lr: float, world_size: int, on_gpu: bool) -> dict:
               train_batch_size=micro * accumulation * world_size, gradient_clipping=cfg.train.grad_clip)
     optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
     optimizer.setdefault("params", {}).update(lr=lr, weight_decay=cfg.train.weight_decay)
-    if not on_gpu:
-        optimizer["params"]["torch_adam"] = True  # the fused kernels are GPU-only
+    # torch's own AdamW, fused on CUDA: DeepSpeed's FusedAdam is compiled by nvcc on first use, which
+    # needs a CUDA toolkit beside the driver and failed on an H200 whose TORCH_CUDA_ARCH_LIST says "9.0a".
+    optimizer["params"].update(torch_adam=True, fused=on_gpu)
     if cfg.train.warmup_steps > 0:
         ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
                                                            "warmup_num_steps": cfg.train.warmup_steps}}

@@ -57,9 +57,14 @@ def annotate(samples: list[Sample], actor, critic, reference, cfg, pad_id: int, 
 
 
 def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(values)
-    return values
+    """Sum over ranks. NCCL reduces CUDA tensors only: CPU values travel through the rank's GPU."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values
+    on = values
+    if torch.distributed.get_backend() == "nccl" and values.device.type != "cuda":
+        on = values.to(torch.device("cuda", torch.cuda.current_device()))
+    torch.distributed.all_reduce(on)
+    return on.to(values.device)
 
 
 def global_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
