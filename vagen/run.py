@@ -55,6 +55,13 @@ def cpu_threads(local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_world)
 
 
+def leave_process_group(code: int) -> int:
+    """End of a command-line entry point: leave the process group (NCCL warns at exit otherwise)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return code
+
+
 def reduce_metrics(stats: dict[str, float], dist: Dist) -> dict[str, float]:
     """Average metrics over ranks (sum the counts); keys missing on a rank are averaged over the rest."""
     if not dist.active:

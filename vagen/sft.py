@@ -359,4 +359,6 @@ def report(cfg, checkpoint: Path, n: int) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from vagen.run import leave_process_group
+
+    raise SystemExit(leave_process_group(main()))

@@ -216,4 +216,6 @@ if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.path.insert(0, os.path.dirname(here))
-    raise SystemExit(main())
+    from vagen.run import leave_process_group
+
+    raise SystemExit(leave_process_group(main()))
