@@ -30,7 +30,7 @@ from vagen.config import load_config  # noqa: E402
 from vagen.models import load_policy, resolve_model_path  # noqa: E402
 from vagen.rollout import ChatEncoder, batch_generation_inputs, rollout, train_seeds  # noqa: E402
 from vagen.trajectory import collate, episode_to_sample, model_inputs  # noqa: E402
-from vagen.update import annotate, chunks, compute_advantages, ppo_update, shifted_logprobs  # noqa: E402
+from vagen.update import annotate, chunks, compute_advantages, ppo_update  # noqa: E402
 
 
 def measure_rollout(model, encoder, cfg, seeds, group_size):
@@ -86,9 +86,10 @@ def measure_bare_update(model, samples, cfg, encoder):
             micro = chunks(mini, cfg.train.micro_batch_size)
             for group in micro:
                 batch = collate(group, encoder.pad_id)
-                logits = model(**model_inputs(batch), use_cache=False).logits
-                logprobs, _ = shifted_logprobs(logits, batch["input_ids"], 1.0, with_entropy=False)
-                loss = -(logprobs * batch["loss_mask"]).sum() / batch["loss_mask"].sum() / len(micro)
+                logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1]
+                logprobs = torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+                mask = batch["loss_mask"][:, 1:]
+                loss = -(logprobs * mask).sum() / mask.sum() / len(micro)
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
             optimizer.step()

@@ -4,7 +4,14 @@ import torch
 from PIL import Image
 
 from vagen.rollout import ChatEncoder, Episode, Turn
-from vagen.trajectory import collate, episode_to_sample
+from vagen.trajectory import (
+    collate,
+    episode_to_sample,
+    forward_shared_prefix,
+    generated_positions,
+    model_inputs,
+    shared_prefix_length,
+)
 
 
 def _frame(seed):
@@ -127,3 +134,72 @@ def test_user_segment_rejects_images_for_a_text_model(tiny_text):
     encoder = ChatEncoder(tokenizer)
     with pytest.raises(ValueError, match="no vision tower.*set env.render_mode=text"):
         encoder.user_segment("<image>", [_frame(0)], True, "sys")
+
+
+def _demo_batch(config, model, processor, episodes=3):
+    from vagen.config import load_config
+    from vagen.sft import demo_samples, demo_sets
+
+    cfg = load_config(config, [f"sft.demos={episodes}", "sft.val_demos=1", "sft.exclude_eval=4"])
+    encoder = ChatEncoder(processor)
+    samples = demo_samples(demo_sets(cfg, "teacher")[0], cfg, encoder, model)
+    return collate(samples, encoder.pad_id)
+
+
+def test_shared_prefix_length_stops_where_rows_differ_and_before_images():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 1], [5, 6, 7, 8, 2, 0], [5, 6, 7, 8, 9, 3]])
+    lengths = torch.tensor([6, 5, 6])
+    assert shared_prefix_length(ids, lengths) == 4
+    assert shared_prefix_length(ids, lengths, stop_ids=(7,)) == 2  # the image token stays with its row
+    assert shared_prefix_length(ids, lengths, limit=3) == 3  # ends before the first kept logit
+    assert shared_prefix_length(ids, torch.tensor([6, 4, 6])) == 3  # every row keeps a token of its own
+    assert shared_prefix_length(ids.flip(1), lengths) == 0
+
+
+@pytest.mark.parametrize("config", ["frozenlake_visual", "sokoban_text"])
+def test_shared_prefix_forward_equals_the_padded_forward(config, tiny_vl, tiny_text):
+    """Logits, critic hidden states and gradients with the prompt prefix computed once equal those of
+    one plain forward over the right-padded batch with its attention mask."""
+    _, model, processor = tiny_vl if config.endswith("visual") else tiny_text
+    batch = _demo_batch(config, model, processor)
+    inputs = model_inputs(batch)
+    positions = generated_positions(batch["loss_mask"])
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                           with_kwargs=True)
+    try:
+        shared = forward_shared_prefix(model, inputs, logits_to_keep=positions)
+    finally:
+        hook.remove()
+    rows, width = batch["input_ids"].shape
+    prefix = shapes[0][1]
+    assert shapes == [(1, prefix), (rows, width - prefix)] and prefix >= 30  # the system prompt at least
+    generated = batch["loss_mask"][:, positions + 1].bool()  # elsewhere in `positions` a row is padding
+    plain = model(**inputs, use_cache=False).logits[:, positions]
+    assert torch.allclose(shared[generated], plain[generated], atol=1e-5)
+
+    shared[generated].logsumexp(-1).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    plain[generated].logsumexp(-1).mean().backward()
+    for grad, parameter in zip(grads, model.parameters()):
+        assert torch.allclose(grad, parameter.grad, atol=1e-6)
+    model.zero_grad()
+
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        hidden = forward_shared_prefix(model.model, inputs)
+        plain_hidden = model.model(**inputs, use_cache=False).last_hidden_state
+    assert torch.allclose(hidden[real], plain_hidden[real], atol=1e-5)
+
+
+def test_one_row_or_no_common_prefix_runs_a_single_forward(tiny_text):
+    _, model, processor = tiny_text
+    batch = _demo_batch("sokoban_text", model, processor, episodes=1)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        forward_shared_prefix(model, model_inputs(batch), logits_to_keep=generated_positions(batch["loss_mask"]))
+    finally:
+        hook.remove()
+    assert len(calls) == 1

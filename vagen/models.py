@@ -349,7 +349,9 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, **inputs) -> torch.Tensor:
-        hidden = self.backbone(**inputs, use_cache=False).last_hidden_state
+        from vagen.trajectory import forward_shared_prefix
+
+        hidden = forward_shared_prefix(self.backbone, inputs)
         values = self.value_head(hidden[:, :-1].to(self.value_head.weight.dtype)).squeeze(-1)
         return torch.nn.functional.pad(values, (1, 0))
 

@@ -64,14 +64,14 @@ def demo_samples(demos, cfg, encoder, model) -> list:
 # -- training -----------------------------------------------------------------------------------------
 
 def masked_logits(model, batch, device):
-    """Logits that predict generated tokens, via `logits_to_keep` (the language-model head over
-    every position costs as much as the rest of the tiny model). Returns (logits [B, K, V],
-    targets [B, K], mask [B, K]) for the K positions after which some row has a generated token."""
-    from vagen.trajectory import model_inputs
+    """Logits that predict generated tokens (the language-model head over every position costs as
+    much as the rest of the tiny model), with the shared prompt prefix computed once. Returns
+    (logits [B, K, V], targets [B, K], mask [B, K]) for the K positions after which some row has a
+    generated token."""
+    from vagen.trajectory import forward_shared_prefix, generated_positions, model_inputs
 
-    inputs = model_inputs(batch, device)
-    wanted = batch["loss_mask"][:, 1:].any(0).nonzero().squeeze(-1)  # position t predicts token t + 1
-    logits = model(**inputs, use_cache=False, logits_to_keep=wanted.to(device)).logits
+    wanted = generated_positions(batch["loss_mask"])
+    logits = forward_shared_prefix(model, model_inputs(batch, device), logits_to_keep=wanted.to(device))
     targets = batch["input_ids"][:, wanted + 1].to(device)
     mask = batch["loss_mask"][:, wanted + 1].to(device)
     return logits, targets, mask
@@ -91,7 +91,7 @@ def answer_accuracy(model, samples, pad_id: int, device, micro_batch_size: int =
     """Teacher-forced held-out metrics: share of turns whose whole answer is the argmax, and the
     mean negative log-likelihood of generated tokens."""
     from vagen import core
-    from vagen.trajectory import collate
+    from vagen.trajectory import collate, generated_positions
     from vagen.update import chunks
 
     was_training = model.training
@@ -103,7 +103,7 @@ def answer_accuracy(model, samples, pad_id: int, device, micro_batch_size: int =
         logits, targets, mask = masked_logits(model, batch, device)
         nll += float(-(core.logprobs_from_logits(logits.float(), targets) * mask).sum())
         tokens += float(mask.sum())
-        wanted = batch["loss_mask"][:, 1:].any(0).nonzero().squeeze(-1) + 1
+        wanted = generated_positions(batch["loss_mask"]) + 1
         hit = torch.zeros(batch["input_ids"].shape, dtype=torch.bool)
         hit[:, wanted] = (logits.argmax(-1) == targets).cpu()
         for row, sample in enumerate(group):

@@ -14,6 +14,8 @@ sample under the same names and padded the same way by `collate`.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -139,3 +141,76 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "
 
 def model_inputs(batch: dict[str, torch.Tensor], device=None) -> dict[str, torch.Tensor]:
     return {k: (v.to(device) if device is not None else v) for k, v in batch.items() if k in MODEL_INPUTS}
+
+
+def generated_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions t [K] whose next token t + 1 is generated in some row of `loss_mask` [B, L]: the
+    only positions whose logits training reads."""
+    return loss_mask[:, 1:].any(0).nonzero().squeeze(-1)
+
+
+MIN_SHARED_PREFIX = 8  # below this the second call costs more than the shared prefix saves
+
+
+def shared_prefix_length(input_ids: torch.Tensor, lengths: torch.Tensor, stop_ids: tuple[int, ...] = (),
+                         limit: int | None = None) -> int:
+    """Length of the token prefix that all rows of `input_ids` [B, L] share, kept shorter than every
+    row (`lengths` [B]), than `limit`, and ending before the first of `stop_ids` (image tokens stay
+    with their rows: the vision tower runs once over all of a batch's images)."""
+    same = (input_ids == input_ids[:1]).all(0)
+    if stop_ids:
+        same &= ~torch.isin(input_ids[0], torch.tensor(stop_ids, device=input_ids.device))
+    shared = int(same.long().cumprod(0).sum())
+    return max(0, min(shared, int(lengths.min()) - 1, limit if limit is not None else shared))
+
+
+@functools.cache
+def _cache_argument(module_type: type) -> str:
+    """The keyword of the key/value cache: transformers renamed `past_key_values` to `cache`."""
+    return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
+
+
+def forward_shared_prefix(model, inputs: dict[str, torch.Tensor], logits_to_keep: torch.Tensor | None = None):
+    """`model(**inputs)` on a right-padded batch, with the prefix that all rows share computed once.
+
+    Training sequences open with the same system prompt (156 of ~340 tokens for FrozenLake), so the
+    prefix runs at batch size 1, its keys and values are repeated for every row, and the rows run from
+    the first token where they differ; gradients flow through the repeated cache into the prefix.
+    No attention mask is passed: attention is causal and padding is on the right, so real tokens
+    never see it (outputs at padding positions are meaningless, as they were with the mask).
+
+    `model` is a causal LM (or its DeepSpeed engine) when `logits_to_keep` is given: 1-D positions,
+    returns `.logits` at them [B, K, V]. Without it, `model` is a backbone: returns its last hidden
+    state [B, L, H].
+    """
+    module = getattr(model, "module", model)  # a DeepSpeed engine forwards to .module
+    config = module.config
+    stop_ids = tuple(getattr(config, name) for name in ("vision_start_token_id", "image_token_id", "video_token_id")
+                     if getattr(config, name, None) is not None)
+    extra = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+    input_ids, position_ids = inputs["input_ids"], inputs.get("position_ids")
+    batch_size, width = input_ids.shape
+    prefix = 0
+    if position_ids is not None:  # without them the model derives positions from the attention mask
+        mask = inputs.get("attention_mask")
+        lengths = mask.sum(1) if mask is not None else torch.full((batch_size,), width)
+        inputs = {k: v for k, v in inputs.items() if k != "attention_mask"}
+        limit = int(logits_to_keep.min()) if logits_to_keep is not None and logits_to_keep.numel() else None
+        if batch_size > 1:
+            prefix = shared_prefix_length(input_ids, lengths, stop_ids, limit)
+    if prefix < MIN_SHARED_PREFIX:
+        out = model(**inputs, use_cache=False, **extra)
+        return out.logits if logits_to_keep is not None else out.last_hidden_state
+    head = {"input_ids": input_ids[:1, :prefix], "position_ids": position_ids[..., :1, :prefix]}
+    if logits_to_keep is not None:
+        head["logits_to_keep"] = 1
+    first = model(**head, use_cache=True)
+    cache = getattr(first, "cache", None) or first.past_key_values
+    cache.batch_repeat_interleave(batch_size)
+    rest = dict(inputs, input_ids=input_ids[:, prefix:], position_ids=position_ids[..., prefix:])
+    if logits_to_keep is not None:
+        rest["logits_to_keep"] = logits_to_keep - prefix
+    out = model(**rest, use_cache=False, **{_cache_argument(type(module)): cache})
+    if logits_to_keep is not None:
+        return out.logits
+    return torch.cat([first.last_hidden_state.expand(batch_size, -1, -1), out.last_hidden_state], dim=1)

@@ -14,24 +14,30 @@ import math
 import torch
 
 from vagen import core
-from vagen.trajectory import Sample, collate, model_inputs
+from vagen.trajectory import Sample, collate, forward_shared_prefix, generated_positions, model_inputs
 
 
 def chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def shifted_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool):
-    """Log-probabilities [B, L] of each token given its prefix (position 0 gets 0), and optionally the
-    entropy of the distribution each token was drawn from. Logits are divided by the sampling
-    temperature so that ratios compare the distributions that were actually sampled."""
-    logits = logits[:, :-1].float()
+def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
+    """Log-probabilities [B, L] of the generated tokens of `batch` (on the model's device) given
+    their prefix, and optionally the entropy of the distribution each was drawn from; 0 at every
+    other position (only generated tokens are trained, so only their logits are computed). Logits
+    are divided by the sampling temperature so that ratios compare the distributions that were
+    actually sampled."""
+    input_ids = batch["input_ids"]
+    positions = generated_positions(batch["loss_mask"])
+    logits = forward_shared_prefix(model, model_inputs(batch), logits_to_keep=positions).float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    logprobs = torch.nn.functional.pad(core.logprobs_from_logits(logits, input_ids[:, 1:]), (1, 0))
+    logprobs = torch.zeros(input_ids.shape, device=logits.device)
+    logprobs[:, positions + 1] = core.logprobs_from_logits(logits, input_ids[:, positions + 1])
     entropies = None
     if with_entropy:
-        entropies = torch.nn.functional.pad(core.entropy_from_logits(logits), (1, 0))
+        entropies = torch.zeros(input_ids.shape, device=logits.device)
+        entropies[:, positions + 1] = core.entropy_from_logits(logits)
     return logprobs, entropies
 
 
@@ -41,16 +47,13 @@ def annotate(samples: list[Sample], actor, critic, reference, cfg, pad_id: int, 
     each sample's `extra`, trimmed to the sample's length."""
     temperature = cfg.rollout.temperature
     for group in chunks(samples, cfg.train.micro_batch_size):
-        batch = collate(group, pad_id)
-        inputs = model_inputs(batch, device)
-        logprobs, entropies = shifted_logprobs(actor(**inputs, use_cache=False).logits, inputs["input_ids"],
-                                               temperature, with_entropy=True)
+        batch = {k: v.to(device) for k, v in collate(group, pad_id).items()}
+        logprobs, entropies = token_logprobs(actor, batch, temperature, with_entropy=True)
         results = {"old_logprobs": logprobs, "entropies": entropies}
         if critic is not None:
-            results["old_values"] = critic(**inputs).float()
+            results["old_values"] = critic(**model_inputs(batch)).float()
         if reference is not None:
-            results["ref_logprobs"], _ = shifted_logprobs(reference(**inputs, use_cache=False).logits,
-                                                          inputs["input_ids"], temperature, with_entropy=False)
+            results["ref_logprobs"], _ = token_logprobs(reference, batch, temperature, with_entropy=False)
         for row, sample in enumerate(group):
             for name, value in results.items():
                 sample.extra[name] = value[row, : sample.length].cpu()
@@ -153,10 +156,8 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
                 inputs = model_inputs(batch)
                 loss_mask = batch["loss_mask"]
                 if update_actor:
-                    logits = actor_engine(**inputs, use_cache=False).logits
-                    logprobs, entropies = shifted_logprobs(logits, inputs["input_ids"], cfg.rollout.temperature,
-                                                           with_entropy=True)
-                    del logits
+                    logprobs, entropies = token_logprobs(actor_engine, batch, cfg.rollout.temperature,
+                                                         with_entropy=True)
                     pg_loss, pg_metrics = core.ppo_policy_loss(
                         logprobs, batch["old_logprobs"], batch["advantages"], batch["adv_mask"],
                         clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
