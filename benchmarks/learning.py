@@ -18,6 +18,7 @@ CPU-minutes count the training process's CPU time (all threads), evaluation excl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -123,7 +124,9 @@ def run_more_sft(warm_start, cfg, seed, args, seeds, dist) -> list[dict]:
     train, val = sft.demo_sets(cfg, "teacher")
     train_samples = sft.demo_samples(train, cfg, encoder, model)
     val_samples = sft.demo_samples(val, cfg, encoder, model)
-    engine = sft.sft_engine(model, cfg, dist)
+    # more of the same at the warm start's peak rate: a schedule that restarted here would end at 0
+    engine = sft.sft_engine(model, dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, lr_schedule="constant")),
+                            dist)
     curve, cpu, steps, chunk = [], 0.0, 0, 0
     while cpu < args.minutes * 60:
         start = time.process_time()

@@ -88,3 +88,22 @@ def test_unknown_warm_start_names_the_choices():
 
     with pytest.raises(ConfigError, match="none, teacher, solver"):
         load_config("frozenlake_text", ["model.warm_start=teachr"])
+
+
+def test_length_grouped_batches_draw_uniformly_and_pad_less():
+    lengths = [10, 50, 20, 40, 30, 60, 15, 45] * 8
+    draws = torch.randint(len(lengths), (4 * 6,), generator=torch.Generator().manual_seed(3)).tolist()
+    batches = sft.length_grouped_batches(lengths, 6, 4, torch.Generator().manual_seed(3))
+    assert sorted(i for batch in batches for i in batch) == sorted(draws)  # the same uniform draws, regrouped
+    assert all(len(batch) == 6 for batch in batches)
+    spans = sorted((min(lengths[i] for i in batch), max(lengths[i] for i in batch)) for batch in batches)
+    assert all(high <= next_low for (_, high), (next_low, _) in zip(spans, spans[1:]))  # no overlap
+    plain = sft.length_grouped_batches(lengths, 6, 1, torch.Generator().manual_seed(3))
+    assert [sorted(batch) for batch in plain] == [sorted(draws[:6])]
+
+
+def test_sft_batch_sizes_must_be_positive():
+    from vagen.config import ConfigError
+
+    with pytest.raises(ConfigError, match="sft.length_window=0 must be >= 1"):
+        load_config("frozenlake_visual", ["sft.length_window=0"])

@@ -127,3 +127,21 @@ def test_deepspeed_config_batches_and_optimizer():
     assert ds["optimizer"]["params"] == {"betas": [0.9, 0.999], "eps": 1e-8, "lr": 2e-5, "weight_decay": cfg.train.weight_decay,
                                          "torch_adam": True, "fused": True}
     assert deepspeed_config(cfg, 2e-5, world_size=1, on_gpu=False)["optimizer"]["params"]["fused"] is False
+
+
+def test_cosine_learning_rate_decay_reaches_zero_at_its_step(distributed):
+    import torch
+
+    from vagen.train import make_engine
+
+    cfg = load_config("sokoban_visual", ["train.mini_batch_size=1", "train.micro_batch_size=1", "train.warmup_steps=2",
+                                         "train.lr_decay_steps=10"])
+    engine = make_engine(torch.nn.Linear(2, 1), cfg, 1e-2, distributed)
+    seen = []
+    for _ in range(12):
+        engine.backward(engine(torch.ones(1, 2)).sum())
+        engine.step()
+        seen.append(engine.get_lr()[0])
+    # after the 2 warm-up steps: 1e-2, half way through the remaining 8 steps 5e-3, then 0 and held there
+    assert seen[1] == pytest.approx(1e-2) and seen[5] == pytest.approx(5e-3) and seen[9:] == [0.0, 0.0, 0.0]
+    assert load_config("sokoban_visual").train.lr_decay_steps == 0  # constant unless asked

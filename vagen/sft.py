@@ -123,8 +123,21 @@ def sft_engine(model, cfg, dist):
 
     sft = cfg.sft
     train = dataclasses.replace(cfg.train, mini_batch_size=sft.batch_size, micro_batch_size=sft.micro_batch_size,
-                                warmup_steps=sft.warmup_steps)
+                                warmup_steps=sft.warmup_steps,
+                                lr_decay_steps=sft.max_steps if sft.lr_schedule == "cosine" else 0)
     return make_engine(model, types.SimpleNamespace(train=train), sft.lr, dist)
+
+
+def length_grouped_batches(lengths: list[int], batch_size: int, window: int,
+                           generator: torch.Generator) -> list[list[int]]:
+    """`window` batches of `batch_size` indices drawn uniformly (with replacement) from
+    range(len(lengths)), regrouped so that each batch holds draws of similar length, in random order.
+    Every sample is drawn as often as with plain random batches; only the grouping within a window
+    changes, and padded tokens are fewer."""
+    picked = torch.randint(len(lengths), (batch_size * window,), generator=generator).tolist()
+    picked.sort(key=lambda i: lengths[i])
+    groups = [picked[start:start + batch_size] for start in range(0, len(picked), batch_size)]
+    return [groups[i] for i in torch.randperm(window, generator=generator).tolist()]
 
 
 def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=print, seed: int = 0,
@@ -144,10 +157,13 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
     losses = []
+    lengths = [s.length for s in train_samples]
+    queue: list[list[int]] = []
     engine.module.train()
     while step < max_steps:
-        picked = torch.randint(len(train_samples), (sft.batch_size,), generator=generator).tolist()
-        for group in chunks(picked, sft.micro_batch_size):
+        if not queue:
+            queue = length_grouped_batches(lengths, sft.batch_size, sft.length_window, generator)
+        for group in chunks(queue.pop(), sft.micro_batch_size):
             loss = nll_loss(engine, collate([train_samples[i] for i in group], pad_id), device)
             engine.backward(loss)
             engine.step()

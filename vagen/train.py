@@ -195,7 +195,11 @@ def deepspeed_config(cfg, lr: float, world_size: int, on_gpu: bool) -> dict:
     # torch's own AdamW, fused on CUDA: DeepSpeed's FusedAdam is compiled by nvcc on first use, which
     # needs a CUDA toolkit beside the driver and failed on an H200 whose TORCH_CUDA_ARCH_LIST says "9.0a".
     optimizer["params"].update(torch_adam=True, fused=on_gpu)
-    if cfg.train.warmup_steps > 0:
+    if cfg.train.lr_decay_steps > 0:
+        ds["scheduler"] = {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": cfg.train.lr_decay_steps, "warmup_num_steps": max(1, cfg.train.warmup_steps),
+            "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0}}
+    elif cfg.train.warmup_steps > 0:
         ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
                                                            "warmup_num_steps": cfg.train.warmup_steps}}
     return ds
