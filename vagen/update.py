@@ -23,10 +23,10 @@ def chunks(items: list, size: int) -> list[list]:
 
 def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
     """Log-probabilities [B, L] of the generated tokens of `batch` (on the model's device) given
-    their prefix, and optionally the entropy of the distribution each was drawn from; 0 at every
-    other position (only generated tokens are trained, so only their logits are computed). Logits
-    are divided by the sampling temperature so that ratios compare the distributions that were
-    actually sampled."""
+    their prefix, and optionally the entropy of the distribution each was drawn from. Only positions
+    where some row generates are computed (only generated tokens are trained); the rest are 0.
+    Logits are divided by the sampling temperature so that ratios compare the distributions that
+    were actually sampled."""
     input_ids = batch["input_ids"]
     positions = generated_positions(batch["loss_mask"])
     logits = forward_shared_prefix(model, model_inputs(batch), logits_to_keep=positions).float()
