@@ -222,7 +222,9 @@ def check_targets(results) -> list[str]:
         teacher = res["baselines"]["teacher"]["success"]
         finals = {m: sum(c[-1]["greedy"]["success"] for c in curves.values()) / len(curves)
                   for m, curves in res["methods"].items()}
-        bests = {m: sum(max(p["greedy"]["success"] for p in c) for c in curves.values()) / len(curves)
+        # the lowest of the last five evaluations below the best, the worst seed
+        drops = {m: max(max(p["greedy"]["success"] for p in c) - min(p["greedy"]["success"] for p in c[-5:])
+                        for c in curves.values())
                  for m, curves in res["methods"].items()}
         points, floor = TARGETS[env]
         control = finals.get("more-SFT")
@@ -234,8 +236,8 @@ def check_targets(results) -> list[str]:
             if control is not None:
                 lines.append(f"{env} {method}: above more-SFT control ({control:.3f}): "
                              f"{'PASS' if final > control else 'FAIL'}")
-            lines.append(f"{env} {method}: no collapse at the end (final >= best - 0.05, best {bests[method]:.3f}): "
-                         f"{'PASS' if final >= bests[method] - 0.05 else 'FAIL'}")
+            lines.append(f"{env} {method}: no collapse at the end (last five evaluations within 0.05 of the best; "
+                         f"largest drop {drops[method]:.3f}): {'PASS' if drops[method] <= 0.05 else 'FAIL'}")
     return lines
 
 
