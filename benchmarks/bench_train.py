@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import vagen.rollout as rollout_module  # noqa: E402
+from vagen import core  # noqa: E402
 from vagen.config import load_config  # noqa: E402
 from vagen.models import load_policy, resolve_model_path  # noqa: E402
 from vagen.rollout import ChatEncoder, batch_generation_inputs, rollout, train_seeds  # noqa: E402
@@ -87,7 +88,7 @@ def measure_bare_update(model, samples, cfg, encoder):
             for group in micro:
                 batch = collate(group, encoder.pad_id)
                 logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1]
-                logprobs = torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+                logprobs = core.logprobs_from_logits(logits.float(), batch["input_ids"][:, 1:])
                 mask = batch["loss_mask"][:, 1:]
                 loss = -(logprobs * mask).sum() / mask.sum() / len(micro)
                 loss.backward()
