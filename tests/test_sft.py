@@ -107,3 +107,21 @@ def test_sft_batch_sizes_must_be_positive():
 
     with pytest.raises(ConfigError, match="sft.length_window=0 must be >= 1"):
         load_config("frozenlake_visual", ["sft.length_window=0"])
+
+
+@pytest.mark.parametrize("accuracy, min_steps, patience, stop", [(1.0, 40, 1, 40), (1.0, 0, 1, 10), (0.5, 0, 2, 30),
+                                                                  (0.5, 40, 1, 40)])
+def test_early_stopping_waits_for_min_steps(monkeypatch, accuracy, min_steps, patience, stop):
+    # checks every 10 steps; a perfect or flat held-out accuracy ends training only from sft.min_steps on
+    import types
+
+    cfg = load_config("frozenlake_text", SMALL + ["sft.max_steps=100", f"sft.min_steps={min_steps}",
+                                                  f"sft.patience={patience}"])
+    monkeypatch.setattr(sft, "nll_loss", lambda engine, batch, device: torch.tensor(0.5))
+    monkeypatch.setattr(sft, "answer_accuracy",
+                        lambda *a, **k: {"sft/val_answer_accuracy": accuracy, "sft/val_nll": 0.1})
+    monkeypatch.setattr("vagen.trajectory.collate", lambda group, pad_id: group)
+    engine = types.SimpleNamespace(module=torch.nn.Linear(1, 1), backward=lambda loss: None, step=lambda: None)
+    samples = [types.SimpleNamespace(length=n) for n in range(10, 30)]
+    stats = sft.train_sft(engine, samples, [], cfg, 0, "cpu", log=lambda _: None)
+    assert stats["sft/step"] == stop

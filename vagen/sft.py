@@ -183,7 +183,7 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
                 best, stale = accuracy, 0
             else:
                 stale += 1
-            if (step >= min_steps and stale >= sft.patience) or accuracy >= 1.0:
+            if step >= min_steps and (stale >= sft.patience or accuracy >= 1.0):
                 break
         if out_of_time:
             break
