@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=256, help="distinct held-out levels")
     parser.add_argument("--sampled", action="store_true", help="sample at rollout.temperature instead of greedy")
     parser.add_argument("overrides", nargs="*", help="section.key=value (e.g. env.max_actions_per_turn=1)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     from vagen.config import load_config
     from vagen.demos import distinct_eval_seeds, play_demo
