@@ -44,9 +44,11 @@ def replay(cfg, episode, counts: collections.Counter) -> str:
             counts[index, "hole"] += cell in holes
             counts[index, "teacher"] += action == frozenlake.teacher_action(state)
             counts[index, "shortest"] += (r, c) in dist and dist.get(cell, -1) == dist[(r, c)] - 1
-            _, _, terminated, truncated, _ = env.step(f"<answer>{action}</answer>")
-            if terminated or truncated:
-                return "goal" if env.state()["player"] == tuple(state["goal"]) else "hole"
+            _, _, terminated, truncated, info = env.step(f"<answer>{action}</answer>")
+            if terminated:
+                return "goal" if info["success"] else "hole"
+            if truncated:
+                return "out of turns"
     return "goal" if episode.success else "out of turns"
 
 
