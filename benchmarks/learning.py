@@ -66,6 +66,8 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="64 levels, 1 seed, 5 CPU-minutes per method")
     parser.add_argument("--smoke", action="store_true", help="tiny everything: checks that the pipeline runs")
     parser.add_argument("--out", default="runs/benchmark_learning")
+    parser.add_argument("--warm-start", default=None,
+                        help="start every method from this checkpoint instead of the cached warm start of the config")
     parser.add_argument("overrides", nargs="*", help="section.key=value for every run (e.g. train.actor_lr=5e-5)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -160,7 +162,8 @@ def run_in_children(env: str, args, out: Path) -> dict[str, dict[int, list[dict]
     parts.mkdir(parents=True, exist_ok=True)
     common = ["--envs", env, "--minutes", str(args.minutes), "--eval-n", str(args.eval_n), "--eval-every",
               str(args.eval_every), "--sft-steps-per-eval", str(args.sft_steps_per_eval), "--threads",
-              str(args.threads), "--out", str(out), *args.overrides]
+              str(args.threads), "--out", str(out), *(["--warm-start", args.warm_start] if args.warm_start else []),
+              *args.overrides]
     child_env = {k: v for k, v in os.environ.items() if k not in
                  ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     tasks = [(method, seed) for method in args.methods for seed in range(args.seeds)]
@@ -299,21 +302,27 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
+    given = Path(args.warm_start) if args.warm_start else None
+    if given is not None and len(args.envs) != 1:
+        raise SystemExit(f"--warm-start is one env's checkpoint, but --envs names {len(args.envs)}: "
+                         f"{' '.join(args.envs)}; run one env at a time")
+    if given is not None and not (given / "config.json").exists():
+        raise SystemExit(f"--warm-start {given}: no checkpoint there (expected a directory with config.json, as "
+                         f"`python -m vagen.sft --out DIR` writes)")
     for env in args.envs:
         cfg_name = ENVS[env]
         cfg = load_config(cfg_name, [*args.overrides, "model.warm_start=teacher"])
         cfg.sft.exclude_eval = max(cfg.sft.exclude_eval, args.eval_n)
         seeds = distinct_eval_seeds(cfg.env, args.eval_n)
+        base = resolve_model_path(cfg.model.path, cfg.model.builtin_cache)
         if args.part:  # a child of --jobs: one (method, seed), the warm start is cached
-            base = resolve_model_path(cfg.model.path, cfg.model.builtin_cache)
-            warm_start = sft.warm_start_checkpoint(cfg, base, dist)
+            warm_start = given or sft.warm_start_checkpoint(cfg, base, dist)
             curve = run_method(args.methods[0], warm_start, cfg_name, cfg, args.only_seed, args, seeds, out, dist)
             Path(args.part).write_text(json.dumps(curve, default=float))
             return 0
         print(f"== {env}: {len(seeds)} distinct held-out levels", flush=True)
-        base = resolve_model_path(cfg.model.path, cfg.model.builtin_cache)
         t0 = time.perf_counter()
-        warm_start = sft.warm_start_checkpoint(cfg, base, dist)
+        warm_start = given or sft.warm_start_checkpoint(cfg, base, dist)
         build_minutes = (time.perf_counter() - t0) / 60
         baselines = scripted_baselines(cfg, seeds)
         res = {"eval_n": len(seeds), "baselines": baselines, "warm_start_build_minutes": build_minutes,
