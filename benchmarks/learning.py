@@ -314,16 +314,16 @@ def main(argv=None) -> int:
         cfg = load_config(cfg_name, [*args.overrides, "model.warm_start=teacher"])
         cfg.sft.exclude_eval = max(cfg.sft.exclude_eval, args.eval_n)
         seeds = distinct_eval_seeds(cfg.env, args.eval_n)
-        base = resolve_model_path(cfg.model.path, cfg.model.builtin_cache)
-        if args.part:  # a child of --jobs: one (method, seed), the warm start is cached
-            warm_start = given or sft.warm_start_checkpoint(cfg, base, dist)
+        if not args.part:
+            print(f"== {env}: {len(seeds)} distinct held-out levels", flush=True)
+        t0 = time.perf_counter()  # a child of --jobs finds the warm start cached
+        warm_start = given or sft.warm_start_checkpoint(
+            cfg, resolve_model_path(cfg.model.path, cfg.model.builtin_cache), dist)
+        build_minutes = (time.perf_counter() - t0) / 60
+        if args.part:  # a child of --jobs: one (method, seed)
             curve = run_method(args.methods[0], warm_start, cfg_name, cfg, args.only_seed, args, seeds, out, dist)
             Path(args.part).write_text(json.dumps(curve, default=float))
             return 0
-        print(f"== {env}: {len(seeds)} distinct held-out levels", flush=True)
-        t0 = time.perf_counter()
-        warm_start = given or sft.warm_start_checkpoint(cfg, base, dist)
-        build_minutes = (time.perf_counter() - t0) / 60
         baselines = scripted_baselines(cfg, seeds)
         res = {"eval_n": len(seeds), "baselines": baselines, "warm_start_build_minutes": build_minutes,
                "warm_start_path": str(warm_start), "warm_start": evaluate(warm_start, cfg, seeds), "methods": {}}
