@@ -115,7 +115,7 @@ def main():
     cfg = load_config(args.config, [f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
                                     f"rollout.max_new_tokens={args.max_new_tokens}", "algo.adv_estimator=grpo",
                                     "train.mini_batch_size=8", "train.micro_batch_size=4"])
-    model, processor = load_policy(resolve_model_path(cfg.model.path, cfg.model.builtin_cache, cfg.train.seed))
+    model, processor = load_policy(resolve_model_path(cfg.model.path, cfg.model.builtin_cache, cfg.model.builtin_seed))
     encoder = ChatEncoder(processor)
     seeds = train_seeds(0, args.groups)
     model.eval()

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -81,6 +82,8 @@ def test_same_seed_same_run(tmp_path, model_cache, distributed):
         run, _ = _run("bandit_text", tmp_path, model_cache, f"train.run_name={name}", "train.seed=3")
         runs.append([_deterministic(r) for r in _metrics(run)])
     assert runs[0] == runs[1]
+    # Training seeds share the built-in base (and so its warm start): its seed is model.builtin_seed.
+    assert not list(Path(model_cache).glob("*-seed3")) and list(Path(model_cache).glob("tiny-text-*-seed0"))
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,8 @@ class ModelConfig:
     critic_path: str | None = _f(None, "critic init checkpoint; null = same weights as the actor")
     dtype: str = _f("float32", "parameter dtype: float32 | bfloat16")
     builtin_cache: str = _f("~/.cache/vagen", "where built-in tiny models are built and cached")
+    builtin_seed: int = _f(0, "initialisation seed of a built-in model; not train.seed, so that training "
+                              "seeds share one base and one warm start")
     min_pixels: int | None = _f(None, "image processor min_pixels; null = the checkpoint's own")
     max_pixels: int | None = _f(None, "image processor max_pixels; null = the checkpoint's own")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
@@ -96,7 +98,7 @@ class AlgoConfig:
 @dataclass
 class TrainConfig:
     iterations: int = _f(100, "rollout + update iterations")
-    seed: int = _f(0, "seed for model init, sampling and level seeds")
+    seed: int = _f(0, "seed for sampling, level seeds and the critic head (a built-in's weights: model.builtin_seed)")
     actor_lr: float = _f(1e-6, "actor learning rate")
     critic_lr: float = _f(1e-5, "critic learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")

@@ -344,7 +344,7 @@ def main(argv=None) -> int:
 
     dist = init_distributed()
     base = Path(args.base) if args.base else resolve_model_path(cfg.model.path, cfg.model.builtin_cache,
-                                                                  seed=cfg.train.seed)
+                                                                  seed=cfg.model.builtin_seed)
     out = Path(args.out) if args.out else warm_start_dir(cfg, base, policy)
     build_warm_start(cfg, base, out, policy, dist)
     if args.eval:

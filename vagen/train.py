@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     is_main_process = dist.rank == 0
 
     # -- policy, critic, reference, engines ---------------------------------------------------------
-    path = resolve_model_path(cfg.model.path, cfg.model.builtin_cache, seed=cfg.train.seed)
+    path = resolve_model_path(cfg.model.path, cfg.model.builtin_cache, seed=cfg.model.builtin_seed)
     path = warm_start_checkpoint(cfg, path, dist)  # SFT on demonstrations when model.warm_start != none
     actor, processor = load_policy(path, cfg.model.dtype)
     if cfg.model.gradient_checkpointing:
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     use_critic = cfg.algo.adv_estimator in ("gae", "turn_gae")
     critic = None
     if use_critic:
-        critic_init, _ = load_policy(resolve_model_path(cfg.model.critic_path, cfg.model.builtin_cache, cfg.train.seed)
+        critic_init, _ = load_policy(resolve_model_path(cfg.model.critic_path, cfg.model.builtin_cache, cfg.model.builtin_seed)
                                      if cfg.model.critic_path else path, cfg.model.dtype)
         critic = ValueModel(critic_init)
     reference = None
