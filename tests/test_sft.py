@@ -37,19 +37,22 @@ def test_warm_start_none_is_the_base_checkpoint(tmp_path, distributed):
     assert sft.warm_start_checkpoint(cfg, tmp_path, distributed) == tmp_path
 
 
-def test_warm_start_is_built_once_and_cached(tmp_path, model_cache, distributed):
+@pytest.mark.parametrize("config", ["frozenlake_text", "frozenlake_visual"])
+def test_warm_start_is_built_once_and_cached(config, tmp_path, model_cache, distributed):
     overrides = SMALL + ["sft.max_steps=2", "model.warm_start=teacher", f"model.builtin_cache={tmp_path}"]
-    cfg = load_config("frozenlake_text", overrides)
+    cfg = load_config(config, overrides)
     base = resolve_model_path(cfg.model.path, model_cache)
     path = sft.warm_start_checkpoint(cfg, base, distributed)
     assert path != base and (path / "config.json").exists()
     state = json.loads((path / sft.STATE_FILE).read_text())
     assert state["policy"] == "teacher" and state["sft/step"] == 2
+    # from frames, the build also measures how much its answers depend on the frame
+    assert ("sft/val_answer_accuracy_other_frames" in state) == (config == "frozenlake_visual")
     stamp = (path / sft.STATE_FILE).stat().st_mtime_ns
     assert sft.warm_start_checkpoint(cfg, base, distributed) == path
     assert (path / sft.STATE_FILE).stat().st_mtime_ns == stamp  # loaded, not rebuilt
     model, _ = load_policy(path)
-    assert model.config.vocab_size == load_policy(base)[0].config.vocab_size
+    assert model.config.get_text_config().vocab_size == load_policy(base)[0].config.get_text_config().vocab_size
 
 
 def test_cache_key_follows_what_the_warm_start_depends_on(tmp_path):
@@ -125,3 +128,32 @@ def test_early_stopping_waits_for_min_steps(monkeypatch, accuracy, min_steps, pa
     samples = [types.SimpleNamespace(length=n) for n in range(10, 30)]
     stats = sft.train_sft(engine, samples, [], cfg, 0, "cpu", log=lambda _: None)
     assert stats["sft/step"] == stop
+
+
+def _sample(level: int, grids: list[list[int]]):
+    from vagen.trajectory import Sample
+
+    zeros = torch.zeros(3)
+    return Sample(torch.tensor([level, 1, 2]), torch.arange(3), zeros, zeros, zeros, zeros, zeros,
+                  pixel_values=torch.full((len(grids), 2), float(level)), image_grid_thw=torch.tensor(grids),
+                  group_id=level, score=0.0, seed=level)
+
+
+def test_other_frames_come_from_another_level_with_the_same_image_grids():
+    a, b, c = (_sample(k, [[1, 4, 4], [1, 4, 4]]) for k in (0, 1, 2))
+    lone = _sample(3, [[1, 4, 4]])  # no other sample has one frame: it keeps its own
+    out = sft.with_other_frames([a, lone, b, c])
+    assert [float(s.pixel_values[0, 0]) for s in out] == [1.0, 3.0, 2.0, 0.0]
+    assert [int(s.input_ids[0]) for s in out] == [0, 3, 1, 2]  # text and answers stay
+    assert float(a.pixel_values[0, 0]) == 0.0  # the originals are untouched
+
+
+def test_a_warm_start_that_does_not_read_the_frame_is_reported(monkeypatch):
+    monkeypatch.setattr(sft, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": 0.55})
+    said = []
+    stats = sft.frame_dependence(None, [_sample(0, [[1, 4, 4]])], 0.56, 0, "cpu", 8, log=said.append)
+    assert stats == {"sft/val_answer_accuracy_other_frames": 0.55}
+    assert len(said) == 1 and "does not read the frame" in said[0] and "model.builtin_seed" in said[0]
+    said.clear()
+    sft.frame_dependence(None, [_sample(0, [[1, 4, 4]])], 0.80, 0, "cpu", 8, log=said.append)
+    assert said == []

@@ -117,6 +117,41 @@ def answer_accuracy(model, samples, pad_id: int, device, micro_batch_size: int =
     return {"sft/val_answer_accuracy": correct / max(turns, 1), "sft/val_nll": nll / max(tokens, 1.0)}
 
 
+def with_other_frames(samples: list) -> list:
+    """Copies of `samples` in which each one's frames are another sample's (the next one with the same
+    image grids, in order): the text and answers stay, the frames show another level. Answer accuracy
+    on them is what the model gets right without looking; a sample with no such partner keeps its own."""
+    by_grids: dict[tuple, list[int]] = {}
+    for i, sample in enumerate(samples):
+        if sample.pixel_values is not None:
+            by_grids.setdefault(tuple(map(tuple, sample.image_grid_thw.tolist())), []).append(i)
+    out = list(samples)
+    for members in by_grids.values():
+        for k, i in enumerate(members):
+            donor = samples[members[(k + 1) % len(members)]]
+            out[i] = dataclasses.replace(samples[i], pixel_values=donor.pixel_values)
+    return out
+
+
+# Held-out answer accuracy must drop by at least this much when the frames show another level, or the
+# warm start has learned the format and the common moves but not to look.
+MIN_FRAME_GAIN = 0.05
+
+
+def frame_dependence(model, val_samples, accuracy: float, pad_id: int, device, micro_batch_size: int,
+                     log=print) -> dict[str, float]:
+    """Held-out answer accuracy with each demonstration's frames replaced by another level's, and a
+    warning when the answers barely depend on the frame."""
+    other = answer_accuracy(model, with_other_frames(val_samples), pad_id, device,
+                            micro_batch_size)["sft/val_answer_accuracy"]
+    if accuracy - other < MIN_FRAME_GAIN:
+        log(f"warning: the warm start does not read the frame: held-out answer accuracy is {accuracy:.3f} with "
+            f"each level's own frames and {other:.3f} with another level's, so RL from it starts blind. Whether "
+            f"a built-in model learns to look depends on its initialisation: build again with another "
+            f"model.builtin_seed (README, 'Warm start on demonstrations'), or train longer (sft.max_steps)")
+    return {"sft/val_answer_accuracy_other_frames": other}
+
+
 def sft_engine(model, cfg, dist):
     """The RL DeepSpeed engine factory (`vagen.train.make_engine`) with the SFT batch sizes."""
     from vagen.train import make_engine
@@ -258,6 +293,9 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
         f"successful) in {data_s:.1f}s; training on {dist.device}")
     engine = sft_engine(model, cfg, dist)
     stats = train_sft(engine, train_samples, val_samples, cfg, encoder.pad_id, dist.device, log=log)
+    if val_samples and val_samples[0].pixel_values is not None:
+        stats.update(frame_dependence(engine.module, val_samples, stats["sft/val_answer_accuracy"], encoder.pad_id,
+                                      dist.device, cfg.sft.micro_batch_size, log))
     stats.update({"sft/data_seconds": data_s, "sft/build_seconds": time.perf_counter() - t0,
                   "sft/demo_success": sum(d.success for d in train_demos) / len(train_demos)})
     out = Path(out)
