@@ -141,7 +141,8 @@ class ScriptedModel(torch.nn.Module):
 def test_demo_episode_is_the_episode_rollout_builds(config, fixture, request):
     _, _, processor = request.getfixturevalue(fixture)
     encoder = ChatEncoder(processor)
-    cfg = load_config(config, ["rollout.max_new_tokens=64"])
+    # the scripted model stands in for transformers' generate, which rollout calls without the turn cache
+    cfg = load_config(config, ["rollout.max_new_tokens=64", "rollout.reuse_cache=false"])
     # episodes of the same length so that every row of the scripted batch plays every turn
     demos = [d for d in collect_demos(cfg.env, "teacher", 40, cfg.rollout.max_turns)
              if len(d.responses) == cfg.rollout.max_turns][:2]

@@ -68,6 +68,8 @@ class RolloutConfig:
     top_p: float = _f(0.95, "nucleus sampling threshold")
     top_k: int = _f(0, "top-k sampling; 0 = off (transformers would otherwise use 50)")
     max_trajectory_length: int = _f(4096, "tokens per trajectory at most; whole turns are dropped")
+    reuse_cache: bool = _f(True, "keep each episode's keys and values across turns, so a turn feeds only its "
+                                 "new tokens; false = transformers' generate over the whole history every turn")
 
 
 @dataclass

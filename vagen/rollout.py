@@ -24,6 +24,7 @@ from PIL import Image
 
 import envs_visual
 from envs_visual.base import IMAGE_PLACEHOLDER
+from vagen.generation import TurnGenerator
 from vagen.models import VISION_TOKENS, tokenizer_of
 
 # Seeds at or above this are reserved for evaluation, so training and evaluation levels never overlap.
@@ -201,6 +202,7 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
         observations.append(obs)
     gen_time = env_time = 0.0
     gen_tokens = 0
+    turn_generator = TurnGenerator(model, encoder) if ro.reuse_cache else None
     for turn in range(ro.max_turns):
         active = []
         for i, ep in enumerate(episodes):
@@ -221,8 +223,12 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
         if not active:
             break
         t0 = time.perf_counter()
-        generated = generate(model, encoder, [episodes[i] for i in active], ro.max_new_tokens,
-                             ro.temperature, ro.top_p, ro.top_k, do_sample=do_sample)
+        if turn_generator is not None:
+            generated = turn_generator.generate([episodes[i] for i in active], active, ro.max_new_tokens,
+                                                ro.temperature, ro.top_p, ro.top_k, do_sample=do_sample)
+        else:
+            generated = generate(model, encoder, [episodes[i] for i in active], ro.max_new_tokens,
+                                 ro.temperature, ro.top_p, ro.top_k, do_sample=do_sample)
         gen_time += time.perf_counter() - t0
         t0 = time.perf_counter()
         for i, new_ids in zip(active, generated):

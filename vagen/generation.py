@@ -1,0 +1,173 @@
+"""Multi-turn generation that keeps every episode's keys and values from one turn to the next.
+
+`transformers`' `generate` starts from an empty cache, so each turn of a rollout would run the whole
+conversation again (system prompt, every earlier frame through the vision tower, every earlier
+answer) before it samples the first new token. `TurnGenerator` keeps one key/value cache for the
+rollout's episodes instead: a turn feeds only the tokens that are not in it yet (the end of the
+previous answer, the new observation and its frames), then decodes.
+
+Rows of the cache are episodes. Their histories have different lengths, so each turn's new tokens are
+left-padded to a common width and each decoding step feeds a padding token to rows that have stopped;
+those slots are masked out for every later query, and positions are always the ones the model's
+own rope-index function gives the unpadded sequence, so a token's keys and values are exactly those
+that the training forward pass computes for it. Episodes that end are dropped from the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STOP_STRING = "</answer>"
+
+
+class TurnGenerator:
+    """Generates the responses of a rollout's episodes turn after turn, with one cache across turns.
+
+    `generate(episodes, rows, ...)` takes the episodes (their `input_ids`, `pixel_values` and
+    `image_grid_thw` end with the assistant header of the new turn) and their indices in the rollout,
+    which must be a subset of the previous call's: an episode never comes back once it has ended.
+    """
+
+    def __init__(self, model, encoder):
+        from vagen.trajectory import _cache_argument
+
+        self.model, self.encoder = model, encoder
+        self.cache_arg = _cache_argument(type(model))
+        self.cache = None
+        self.rows: list[int] = []  # rollout index of the episode in each cache row
+        self.mask: torch.Tensor | None = None  # [rows, slots]: 1 where a slot holds one of the row's tokens
+        self.fed: dict[int, list[int]] = {}  # per episode: the ids whose keys and values are in the cache
+        self.fed_images: dict[int, int] = {}  # per episode: how many of its images are in the cache
+        self.suppress = torch.tensor(encoder.suppress_ids, dtype=torch.long)
+        self.token_text: dict[int, str] = {}
+
+    def _text(self, token: int) -> str:
+        if token not in self.token_text:
+            self.token_text[token] = self.encoder.tokenizer.decode([token], skip_special_tokens=True)
+        return self.token_text[token]
+
+    def _positions(self, episode) -> torch.Tensor:
+        """Positions of the whole history [3, L] (vision) or [L] (text), as training computes them."""
+        ids = torch.tensor(episode.input_ids, dtype=torch.long)
+        if not self.encoder.is_vision:
+            return torch.arange(ids.shape[0])
+        from vagen.trajectory import rope_positions
+
+        grids = torch.stack(episode.image_grid_thw) if episode.image_grid_thw else None
+        return rope_positions(self.model, ids, grids, self.encoder.image_pad_id)
+
+    def _forward(self, input_ids, positions, new_mask, images, grids):
+        """One forward pass of `input_ids` [R, W] after the cache; returns the last position's logits."""
+        self.mask = new_mask if self.mask is None else torch.cat([self.mask, new_mask], dim=1)
+        device = next(self.model.parameters()).device
+        kwargs = dict(input_ids=input_ids.to(device), position_ids=positions.to(device),
+                      attention_mask=self.mask.to(device), use_cache=True, logits_to_keep=1)
+        if images:
+            kwargs["pixel_values"] = torch.cat(images).to(device)
+            kwargs["image_grid_thw"] = torch.stack(grids).to(device)
+        if self.cache is not None:
+            kwargs[self.cache_arg] = self.cache
+        out = self.model(**kwargs)
+        cache = getattr(out, "cache", None)
+        self.cache = cache if cache is not None else out.past_key_values
+        return out.logits[:, -1].float().cpu()
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        if rows == self.rows or self.cache is None:
+            self.rows = list(rows)
+            return
+        where = {episode: k for k, episode in enumerate(self.rows)}
+        missing = [r for r in rows if r not in where]
+        if missing:
+            raise ValueError(f"episodes {missing} are not in the cache (rows {self.rows}): an episode that "
+                             f"left the generation cannot come back")
+        keep = torch.tensor([where[r] for r in rows], dtype=torch.long)
+        self.cache.batch_select_indices(keep.to(next(self.model.parameters()).device))
+        self.mask = self.mask[keep]
+        for r in set(self.rows) - set(rows):
+            self.fed.pop(r, None)
+            self.fed_images.pop(r, None)
+        self.rows = list(rows)
+
+    def _pick(self, logits: torch.Tensor, sample: bool, temperature: float, top_p: float, top_k: int):
+        """Next token of every row: argmax, or a draw after temperature, top-k and top-p in that order."""
+        logits[:, self.suppress] = float("-inf")
+        if not sample:
+            return logits.argmax(-1)
+        logits = logits / max(temperature, 1e-5)
+        if 0 < top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p < 1.0:
+            ordered, order = torch.sort(logits, descending=True, dim=-1)
+            cumulative = ordered.softmax(-1).cumsum(-1)
+            drop = cumulative - ordered.softmax(-1) >= top_p  # keep the smallest head whose mass reaches top_p
+            logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+        return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
+
+    @torch.no_grad()
+    def generate(self, episodes, rows: list[int], max_new_tokens: int, temperature: float, top_p: float,
+                 top_k: int, do_sample: bool | None = None) -> list[list[int]]:
+        """The new ids of each episode (its stop token included when it produced one)."""
+        assert len(episodes) == len(rows), f"{len(episodes)=} {len(rows)=}"
+        self._keep_rows(rows)
+        pad = self.encoder.pad_id
+        # -- feed what the cache does not hold yet -----------------------------------------------------
+        chunks, chunk_positions, images, grids, next_position = [], [], [], [], []
+        for row, episode in zip(rows, episodes):
+            fed = self.fed.setdefault(row, [])
+            if episode.input_ids[: len(fed)] != fed:
+                raise RuntimeError(f"episode {row}'s history no longer starts with the tokens in the cache; "
+                                   f"histories may only grow between turns")
+            positions = self._positions(episode)
+            chunks.append(episode.input_ids[len(fed):])
+            chunk_positions.append(positions[..., len(fed):])
+            next_position.append(int(positions.max()) + 1)
+            first_image = self.fed_images.get(row, 0)
+            images += episode.pixel_values[first_image:]
+            grids += episode.image_grid_thw[first_image:]
+            self.fed_images[row] = len(episode.pixel_values)
+            fed += chunks[-1]
+        width = max(len(chunk) for chunk in chunks)
+        n = len(rows)
+        input_ids = torch.full((n, width), pad, dtype=torch.long)
+        positions = torch.zeros((3, n, width) if self.encoder.is_vision else (n, width), dtype=torch.long)
+        new_mask = torch.zeros((n, width), dtype=torch.long)
+        for k, (chunk, pos) in enumerate(zip(chunks, chunk_positions)):
+            if chunk:
+                input_ids[k, width - len(chunk):] = torch.tensor(chunk)
+                positions[..., k, width - len(chunk):] = pos
+                new_mask[k, width - len(chunk):] = 1
+        logits = self._forward(input_ids, positions, new_mask, images, grids)
+        # -- decode -------------------------------------------------------------------------------------
+        sample = temperature > 0 if do_sample is None else do_sample
+        stop_ids = self.encoder.stop_ids
+        generated: list[list[int]] = [[] for _ in rows]
+        texts = [""] * n
+        running = [True] * n
+        next_position = torch.tensor(next_position)
+        for step in range(max_new_tokens):
+            tokens = self._pick(logits, sample, temperature, top_p, top_k).tolist()  # every row draws, as in generate
+            feed = []
+            for k, token in enumerate(tokens):
+                if not running[k]:
+                    feed.append(False)
+                    continue
+                generated[k].append(token)
+                piece = self._text(token)
+                texts[k] += piece
+                running[k] = token not in stop_ids and STOP_STRING not in texts[k][-len(STOP_STRING) - len(piece):]
+                feed.append(running[k])
+            if not any(running) or step == max_new_tokens - 1:
+                break
+            keep = torch.tensor(feed)
+            step_ids = torch.where(keep, torch.tensor(tokens), torch.tensor(pad))[:, None]
+            step_positions = next_position[:, None]
+            if self.encoder.is_vision:
+                step_positions = step_positions[None].expand(3, -1, -1)
+            logits = self._forward(step_ids, step_positions, keep.long()[:, None], [], [])
+            for k, row in enumerate(rows):
+                if feed[k]:
+                    self.fed[row].append(tokens[k])
+            next_position += keep.long()
+        return generated
