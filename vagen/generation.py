@@ -69,7 +69,10 @@ class TurnGenerator:
             kwargs[self.cache_arg] = self.cache
         out = self.model(**kwargs)
         cache = getattr(out, "cache", None)
-        self.cache = cache if cache is not None else out.past_key_values
+        self.cache = cache if cache is not None else getattr(out, "past_key_values", None)
+        if self.cache is None:
+            raise RuntimeError(f"{type(self.model).__name__} returned no key/value cache, which generation across "
+                               f"turns needs; set rollout.reuse_cache=false to generate over the whole history")
         return out.logits[:, -1].float().cpu()
 
     def _keep_rows(self, rows: list[int]) -> None:
@@ -110,6 +113,14 @@ class TurnGenerator:
                  top_k: int, do_sample: bool | None = None) -> list[list[int]]:
         """The new ids of each episode (its stop token included when it produced one)."""
         assert len(episodes) == len(rows), f"{len(episodes)=} {len(rows)=}"
+        was_training = self.model.training
+        self.model.eval()  # a training-mode model with gradient checkpointing would drop the cache
+        try:
+            return self._generate(episodes, rows, max_new_tokens, temperature, top_p, top_k, do_sample)
+        finally:
+            self.model.train(was_training)
+
+    def _generate(self, episodes, rows, max_new_tokens, temperature, top_p, top_k, do_sample):
         self._keep_rows(rows)
         pad = self.encoder.pad_id
         # -- feed what the cache does not hold yet -----------------------------------------------------
