@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 
@@ -79,3 +81,41 @@ def test_the_cache_refuses_histories_it_cannot_continue(tiny_text):
     episodes[1].input_ids = encoder.encode_text("a different history")
     with pytest.raises(RuntimeError, match="no longer starts with the tokens in the cache"):
         generator.generate(episodes[1:], [1], 4, temperature=0.0, top_p=1.0, top_k=0)
+
+
+class ScriptedLM(torch.nn.Module):
+    """A stand-in causal LM: after its k-th forward pass, row r's most likely next token is script[r][k]."""
+
+    def __init__(self, script, vocab_size):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.script, self.vocab_size, self.calls, self.masks = script, vocab_size, 0, []
+
+    def forward(self, input_ids, position_ids, attention_mask, use_cache, logits_to_keep, cache=None):
+        self.masks.append(attention_mask.clone())
+        logits = torch.zeros(input_ids.shape[0], 1, self.vocab_size)
+        for row, tokens in enumerate(self.script):
+            logits[row, 0, tokens[min(self.calls, len(tokens) - 1)]] = 10.0
+        self.calls += 1
+        return types.SimpleNamespace(logits=logits, cache=cache if cache is not None else object())
+
+
+def test_a_row_stops_at_the_end_of_its_answer_or_at_its_stop_token(tiny_text):
+    _, _, tokenizer = tiny_text
+    encoder = ChatEncoder(tokenizer)
+    answer = encoder.encode_text("<answer>Up</answer>")
+    junk = encoder.encode_text(" more")
+    left = encoder.encode_text("Left")
+    model = ScriptedLM([answer + junk * 4, left + [encoder.im_end_id] + junk * 8], len(tokenizer))
+    episodes = [_episode(encoder, "Where now?"), _episode(encoder, "And here?")]
+    prompts = [list(ep.input_ids) for ep in episodes]
+    generator = TurnGenerator(model, encoder)
+    out = generator.generate(episodes, [0, 1], 12, temperature=0.0, top_p=1.0, top_k=0)
+    assert out == [answer, left + [encoder.im_end_id]]
+    # the last token of each row was never fed, so the next turn starts with it
+    assert generator.fed == {0: prompts[0] + answer[:-1], 1: prompts[1] + left}
+    # after its stop token, the stopped row's new slots are masked out
+    stopped_at = len(left) + 1  # forward passes: the prompt, then one per fed token
+    assert all(mask[1, -1] == 0 for mask in model.masks[stopped_at:])
+    assert all(mask[0, -1] == 1 for mask in model.masks[1:len(answer)])
+    assert model.calls == len(answer)  # no forward pass after the last row stopped
