@@ -29,10 +29,10 @@ class TurnGenerator:
     """
 
     def __init__(self, model, encoder):
-        from vagen.trajectory import _cache_argument
+        from vagen.trajectory import cache_argument
 
         self.model, self.encoder = model, encoder
-        self.cache_arg = _cache_argument(type(model))
+        self.cache_arg = cache_argument(type(model))
         self.cache = None
         self.rows: list[int] = []  # rollout index of the episode in each cache row
         self.mask: torch.Tensor | None = None  # [rows, slots]: 1 where a slot holds one of the row's tokens
@@ -103,8 +103,8 @@ class TurnGenerator:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if top_p < 1.0:
             ordered, order = torch.sort(logits, descending=True, dim=-1)
-            cumulative = ordered.softmax(-1).cumsum(-1)
-            drop = cumulative - ordered.softmax(-1) >= top_p  # keep the smallest head whose mass reaches top_p
+            probs = ordered.softmax(-1)
+            drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest head whose mass reaches top_p
             logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
         return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
 

@@ -165,7 +165,7 @@ def shared_prefix_length(input_ids: torch.Tensor, lengths: torch.Tensor, stop_id
 
 
 @functools.cache
-def _cache_argument(module_type: type) -> str:
+def cache_argument(module_type: type) -> str:
     """The keyword of the key/value cache: transformers renamed `past_key_values` to `cache`."""
     return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
 
@@ -210,7 +210,7 @@ def forward_shared_prefix(model, inputs: dict[str, torch.Tensor], logits_to_keep
     rest = dict(inputs, input_ids=input_ids[:, prefix:], position_ids=position_ids[..., prefix:])
     if logits_to_keep is not None:
         rest["logits_to_keep"] = logits_to_keep - prefix
-    out = model(**rest, use_cache=False, **{_cache_argument(type(module)): cache})
+    out = model(**rest, use_cache=False, **{cache_argument(type(module)): cache})
     if logits_to_keep is not None:
         return out.logits
     return torch.cat([first.last_hidden_state.expand(batch_size, -1, -1), out.last_hidden_state], dim=1)
