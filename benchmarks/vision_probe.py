@@ -1,15 +1,18 @@
 """Can the built-in tiny VLM learn to read a frame at all? A one-turn perception probe.
 
-    python benchmarks/vision_probe.py [--steps 2000] [--lr 1e-3] [--model builtin:tiny-vl]
+    python benchmarks/vision_probe.py [--env frozenlake|sokoban] [--steps 2000] [--lr 1e-3] [--model builtin:tiny-vl]
 
-FrozenLake 4x4 frames (28-px cells, 16 image tokens) with the player moved to a random cell; the
+FrozenLake 4x4 frames (28-px cells, 16 image tokens) with the player moved to a random cell, or the
+first frames of Sokoban 6x6 levels (`--env sokoban`, 36 image tokens, rows 0-5); the
 model is fine-tuned through the same tokenisation, masks and DeepSpeed engine as RL to answer
 "Which row is the player in?" with `<answer>R</answer>`, and prints held-out exact-answer accuracy
 every 100 steps (chance: 0.25). A warm start that acts on frames needs this to be learnable first.
 
 Measured on 2 cores: the built-in model (which centres each image's tokens, see
 `vagen.models.center_image_tokens`) stays at chance to step 600 and reaches 0.89 by step 800
-(143 s); with `--no-center` it stays at chance for 2,000 steps.
+(143 s); with `--no-center` it stays at chance for 2,000 steps. On Sokoban (where always answering
+the most common row scores 0.355) accuracy is 0.26-0.49 to step 500, 0.99 at step 600 and 1.000 from
+step 700 (0.18 s per step on 2 threads).
 """
 
 from __future__ import annotations
@@ -31,20 +34,31 @@ from vagen.rollout import ChatEncoder, Episode, Turn  # noqa: E402
 from vagen.sft import masked_logits, nll_loss, sft_engine  # noqa: E402
 from vagen.trajectory import collate, episode_to_sample  # noqa: E402
 
-QUESTION = "Which row is the player in? Rows are numbered 0 to 3 from the top.\n<image>"
+QUESTION = "Which row is the player in? Rows are numbered 0 to {last} from the top.\n<image>"
 
 
-def probe_sample(seed: int, rng: np.random.Generator, encoder: ChatEncoder, model):
+def probe_frame(env_name: str, seed: int, rng: np.random.Generator):
+    """A frame and the player's row: FrozenLake 4x4 with the player on a random cell, or the start of
+    a Sokoban 6x6 level (one box, 28-px cells as in `sokoban_visual`)."""
+    if env_name == "sokoban":
+        env = envs_visual.make("sokoban", dim_room=[6, 6], num_boxes=1, cell_size=28)
+        env.reset(seed=seed)
+        return env.render_image(), env.player // env.width, 5
     env = envs_visual.make("frozenlake")
     env.reset(seed=seed)
     env.player = (int(rng.integers(4)), int(rng.integers(4)))
-    frame = env.render_image()
+    return env.render_image(), env.player[0], 3
+
+
+def probe_sample(env_name: str, seed: int, rng: np.random.Generator, encoder: ChatEncoder, model):
+    frame, row, last = probe_frame(env_name, seed, rng)
+    question = QUESTION.format(last=last)
     episode = Episode("probe", seed, 0, "Answer with one digit.")
-    ids, pixel_values, grids = encoder.user_segment(QUESTION, [frame], True, episode.system_prompt)
-    generated, text = encoder.finish_response(encoder.encode_text(f"<answer>{env.player[0]}</answer>"))
+    ids, pixel_values, grids = encoder.user_segment(question, [frame], True, episode.system_prompt)
+    generated, text = encoder.finish_response(encoder.encode_text(f"<answer>{row}</answer>"))
     episode.input_ids = ids + generated
     episode.pixel_values, episode.image_grid_thw = pixel_values, grids
-    episode.turns.append(Turn(QUESTION, [frame], text, 0.0, {}, (len(ids), len(episode.input_ids)), len(generated)))
+    episode.turns.append(Turn(question, [frame], text, 0.0, {}, (len(ids), len(episode.input_ids)), len(generated)))
     return episode_to_sample(episode, encoder, model)
 
 
@@ -65,6 +79,8 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--model", default="builtin:tiny-vl")
+    parser.add_argument("--env", default="frozenlake", choices=["frozenlake", "sokoban"],
+                        help="frames to read: FrozenLake 4x4 (player moved to a random cell) or Sokoban 6x6 starts")
     parser.add_argument("--vision-init", type=float, default=0.0,
                         help="re-initialise the vision tower's weight matrices with this std (0: keep)")
     parser.add_argument("--no-center", action="store_true",
@@ -85,8 +101,12 @@ def main() -> int:
     if args.no_center:
         model.model.visual._forward_hooks.clear()
     rng = np.random.default_rng(0)
-    train = [probe_sample(seed, rng, encoder, model) for seed in range(2000)]
-    held_out = [probe_sample(10**9 + seed, rng, encoder, model) for seed in range(200)]
+    train = [probe_sample(args.env, seed, rng, encoder, model) for seed in range(2000)]
+    held_out = [probe_sample(args.env, 10**9 + seed, rng, encoder, model) for seed in range(200)]
+    rows = [int(encoder.tokenizer.decode(s.input_ids[s.loss_mask > 0].tolist()).split("<answer>")[1][0])
+            for s in held_out]
+    print(f"held-out levels: {len(held_out)}; always answering the most common row scores "
+          f"{max(rows.count(r) for r in set(rows)) / len(rows):.3f}", flush=True)
     engine = sft_engine(model, cfg, dist)
     generator = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
