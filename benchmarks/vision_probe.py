@@ -30,11 +30,10 @@ import torch  # noqa: E402
 import envs_visual  # noqa: E402
 from vagen.config import load_config  # noqa: E402
 from vagen.models import load_policy, resolve_model_path  # noqa: E402
-from vagen.rollout import ChatEncoder, Episode, Turn  # noqa: E402
+from vagen.perception import question, question_sample  # noqa: E402
+from vagen.rollout import ChatEncoder  # noqa: E402
 from vagen.sft import masked_logits, nll_loss, sft_engine  # noqa: E402
-from vagen.trajectory import collate, episode_to_sample  # noqa: E402
-
-QUESTION = "Which row is the player in? Rows are numbered 0 to {last} from the top.\n<image>"
+from vagen.trajectory import collate  # noqa: E402
 
 
 def probe_frame(env_name: str, seed: int, rng: np.random.Generator):
@@ -53,14 +52,7 @@ def probe_frame(env_name: str, seed: int, rng: np.random.Generator):
 def probe_sample(env_name: str, seed: int, rng: np.random.Generator, encoder: ChatEncoder, model):
     """A one-turn training sample asking for the player's row, and that row."""
     frame, row, last = probe_frame(env_name, seed, rng)
-    question = QUESTION.format(last=last)
-    episode = Episode("probe", seed, 0, "Answer with one digit.")
-    ids, pixel_values, grids = encoder.user_segment(question, [frame], True, episode.system_prompt)
-    generated, text = encoder.finish_response(encoder.encode_text(f"<answer>{row}</answer>"))
-    episode.input_ids = ids + generated
-    episode.pixel_values, episode.image_grid_thw = pixel_values, grids
-    episode.turns.append(Turn(question, [frame], text, 0.0, {}, (len(ids), len(episode.input_ids)), len(generated)))
-    return episode_to_sample(episode, encoder, model), row
+    return question_sample(encoder, model, frame, question("the player", "row", last + 1), row, seed), row
 
 
 @torch.no_grad()

@@ -137,6 +137,9 @@ class SFTConfig:
     val_demos: int = _f(128, "held-out demonstrations for the convergence check")
     teacher_styles: bool = _f(False, "draw the teacher's style per episode (FrozenLake: rows or columns first) "
                                      "and state it in the reasoning; false: its default style, unstated")
+    perception_steps: int = _f(0, "steps at most of a first stage on questions about the env's frames ('Which row "
+                                  "is the box in?', vagen.perception) before the demonstrations; 0 = none")
+    perception_levels: int = _f(2000, "levels (one question each) for the perception stage")
 
 
 @dataclass
@@ -221,6 +224,12 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), key)
         if value < 1:
             raise ConfigError(f"{section}.{key}={value} must be >= 1")
+    if cfg.sft.perception_steps < 0 or cfg.sft.perception_levels < 1:
+        raise ConfigError(f"sft.perception_steps={cfg.sft.perception_steps} must be >= 0 and "
+                          f"sft.perception_levels={cfg.sft.perception_levels} >= 1")
+    if cfg.sft.perception_steps and cfg.env.render_mode != "vision":
+        raise ConfigError(f"sft.perception_steps={cfg.sft.perception_steps} asks questions about frames, but "
+                          f"env.render_mode={cfg.env.render_mode}; set sft.perception_steps=0 or env.render_mode=vision")
     if algo.adv_estimator == "grpo" and ro.group_size < 2:
         raise ConfigError(
             f"algo.adv_estimator=grpo compares rollouts within a group, but rollout.group_size="

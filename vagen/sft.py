@@ -177,10 +177,11 @@ def length_grouped_batches(lengths: list[int], batch_size: int, window: int,
 
 def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=print, seed: int = 0,
               max_steps: int | None = None, min_steps: int | None = None, time_budget_s: float | None = None,
-              on_check=None) -> dict[str, float]:
+              on_check=None, target_accuracy: float = 1.0) -> dict[str, float]:
     """Optimizer steps of the token-mean NLL of generated tokens on random batches of `train_samples`
-    until held-out answer accuracy stops improving (or `max_steps` / `time_budget_s`). Returns stats;
-    `on_check(step, metrics)` is called at every check."""
+    until, from `min_steps` on, held-out answer accuracy stops improving or reaches `target_accuracy`
+    (or `max_steps` / `time_budget_s` run out). Returns stats; `on_check(step, metrics)` is called at every
+    check."""
     from vagen.trajectory import collate
     from vagen.update import chunks
 
@@ -218,12 +219,45 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
                 best, stale = accuracy, 0
             else:
                 stale += 1
-            if step >= min_steps and (stale >= sft.patience or accuracy >= 1.0):
+            if step >= min_steps and (stale >= sft.patience or accuracy >= target_accuracy):
                 break
         if out_of_time:
             break
     metrics["sft/steps_per_second"] = step / max(time.perf_counter() - t0, 1e-9)
     return metrics
+
+
+# Held-out accuracy at which the perception stage has done its job (it needs no more steps).
+PERCEPTION_TARGET = 0.98
+PERCEPTION_VAL_LEVELS = 200
+
+
+def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
+    """The first stage of a warm start from frames: up to `sft.perception_steps` steps (constant
+    learning rate, `sft.lr`) on `vagen.perception` questions about `sft.perception_levels` levels,
+    until held-out accuracy reaches PERCEPTION_TARGET. Trains `model` in place; returns stats."""
+    from vagen.demos import eval_level_keys
+    from vagen.perception import perception_probes, question_sample
+
+    t0 = time.perf_counter()
+    sft = cfg.sft
+    exclude = eval_level_keys(cfg.env, sft.exclude_eval)
+    probes = perception_probes(cfg.env, sft.perception_levels + PERCEPTION_VAL_LEVELS, cfg.rollout.max_turns, exclude)
+    samples = [question_sample(encoder, model, p.frame, p.question, p.answer, p.seed) for p in probes]
+    train, val = samples[: sft.perception_levels], samples[sft.perception_levels:]
+    answers = [p.answer for p in probes[sft.perception_levels:]]
+    majority = max(answers.count(a) for a in set(answers)) / len(answers)
+    log(f"perception: {len(train)} questions on the env's frames in {time.perf_counter() - t0:.1f}s; always "
+        f"answering the most common digit scores {majority:.3f} on {len(val)} held-out levels")
+    steps = sft.perception_steps
+    # accuracy sits at the majority answer's level for hundreds of steps before the model looks: no patience
+    stage = dataclasses.replace(cfg, sft=dataclasses.replace(sft, lr_schedule="constant", max_steps=steps,
+                                                             min_steps=0, patience=steps))
+    engine = sft_engine(model, stage, dist)
+    stats = train_sft(engine, train, val, stage, encoder.pad_id, dist.device, log=lambda s: log(f"perception: {s}"),
+                      target_accuracy=PERCEPTION_TARGET)
+    return {"sft/perception_accuracy": stats["sft/val_answer_accuracy"], "sft/perception_steps": stats["sft/step"],
+            "sft/perception_majority": majority, "sft/perception_seconds": time.perf_counter() - t0}
 
 
 # -- held-out evaluation ----------------------------------------------------------------------------
@@ -246,26 +280,32 @@ def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, bat
 
 # -- the cached warm start ----------------------------------------------------------------------------
 
-def demonstration_code(env_name: str) -> str:
+def demonstration_code(env_name: str, perception: bool = False) -> str:
     """Hash of the code that writes the demonstrations: `vagen.demos` and the env's module (its
-    teacher, solver, dynamics, frames and prompts), so editing any of them rebuilds the warm start."""
+    teacher, solver, dynamics, frames and prompts), and with `perception` `vagen.perception`, so
+    editing any of them rebuilds the warm start."""
     import inspect
 
     import envs_visual
     from vagen import demos
+    from vagen import perception as questions
 
     env_module = inspect.getmodule(envs_visual.env_class(env_name))
-    text = "".join(inspect.getsource(module) for module in (demos, env_module))
+    modules = (demos, env_module) + ((questions,) if perception else ())
+    text = "".join(inspect.getsource(module) for module in modules)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def cache_key(cfg, base_path: Path, policy: str) -> str:
-    """Hash of everything the warm start depends on."""
+    """Hash of everything the warm start depends on (the perception settings only when that stage runs)."""
     env = cfg.env
-    parts = [VERSION, demonstration_code(env.name), Path(base_path).name, policy, env.name, env.params,
-             env.prompt_format, env.render_mode,
+    sft = dataclasses.asdict(cfg.sft)
+    if not cfg.sft.perception_steps:
+        del sft["perception_steps"], sft["perception_levels"]
+    parts = [VERSION, demonstration_code(env.name, bool(cfg.sft.perception_steps)), Path(base_path).name, policy,
+             env.name, env.params, env.prompt_format, env.render_mode,
              env.max_actions_per_turn, cfg.rollout.max_turns, cfg.model.min_pixels, cfg.model.max_pixels,
-             cfg.model.dtype, dataclasses.asdict(cfg.sft)]
+             cfg.model.dtype, sft]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -291,8 +331,9 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     data_s = time.perf_counter() - t0
     log(f"warm start: {len(train_samples)} {policy} demonstrations ({sum(d.success for d in train_demos)} "
         f"successful) in {data_s:.1f}s; training on {dist.device}")
+    stats = perception_stage(model, encoder, cfg, dist, log) if cfg.sft.perception_steps else {}
     engine = sft_engine(model, cfg, dist)
-    stats = train_sft(engine, train_samples, val_samples, cfg, encoder.pad_id, dist.device, log=log)
+    stats.update(train_sft(engine, train_samples, val_samples, cfg, encoder.pad_id, dist.device, log=log))
     if val_samples and val_samples[0].pixel_values is not None:
         stats.update(frame_dependence(engine.module, val_samples, stats["sft/val_answer_accuracy"], encoder.pad_id,
                                       dist.device, cfg.sft.micro_batch_size, log))

@@ -1,0 +1,120 @@
+import json
+
+import numpy as np
+import pytest
+
+from vagen import sft
+from vagen.config import ConfigError, load_config
+from vagen.demos import eval_level_keys, level_key
+from vagen.models import resolve_model_path
+from vagen.perception import perception_probes, question_sample, single_cell_objects
+from vagen.rollout import ChatEncoder, make_env
+
+
+def test_single_cell_objects_are_the_player_and_lone_boxes_and_targets():
+    state = {"size": (6, 6), "player": (2, 3), "boxes": [(3, 3)], "targets": [(4, 1)], "walls": [(0, 0), (0, 1)]}
+    assert single_cell_objects(state) == {"the player": (2, 3), "the box": (3, 3), "the target": (4, 1)}
+    two_boxes = dict(state, boxes=[(3, 3), (3, 4)], targets=[(4, 1), (4, 2)])
+    assert single_cell_objects(two_boxes) == {"the player": (2, 3)}  # "the box" would be ambiguous
+    assert single_cell_objects({"size": (4, 4), "player": (0, 0), "holes": [(1, 1)]}) == {"the player": (0, 0)}
+
+
+def test_frozenlake_answers_name_the_cell_the_frame_shows_the_player_in():
+    cfg = load_config("frozenlake_visual")
+    probes = perception_probes(cfg.env, 24, cfg.rollout.max_turns)
+    env = make_env(cfg.env)
+    moved = 0
+    for probe in probes:
+        env.reset(seed=probe.seed)
+        start = env.player
+        frame = np.asarray(probe.frame)
+        cells = []
+        for cell in np.ndindex(4, 4):  # the one placement of the player that draws this exact frame
+            env.player = cell
+            if np.array_equal(np.asarray(env.render_image()), frame):
+                cells.append(cell)
+        assert len(cells) == 1, probe.question
+        row, col = cells[0]
+        axis = "row" if probe.question.startswith("Which row") else "column"
+        assert probe.answer == (row if axis == "row" else col), probe.question
+        assert probe.question.endswith(f"{'Rows' if axis == 'row' else 'Columns'} are numbered 0 to 3 from the "
+                                       f"{'top' if axis == 'row' else 'left'}.\n<image>")
+        moved += cells[0] != start
+    assert moved >= 12  # most frames come after some of the teacher's moves, not only level starts
+
+
+def test_sokoban_probes_ask_about_every_object_on_distinct_non_evaluation_levels():
+    cfg = load_config("sokoban_visual")
+    exclude = eval_level_keys(cfg.env, 64)
+    probes = perception_probes(cfg.env, 120, cfg.rollout.max_turns, exclude)
+    names = {p.question.split(" in?")[0] for p in probes}
+    assert names == {f"Which {axis} is the {name}" for axis in ("row", "column") for name in ("player", "box", "target")}
+    assert all(1 <= p.answer <= 4 for p in probes)  # inside the surrounding walls of a 6x6 room
+    env = make_env(cfg.env, {"render_mode": "text"})
+    keys = []
+    for probe in probes:
+        env.reset(seed=probe.seed)
+        keys.append(level_key(env))
+    assert len(set(keys)) == len(keys) and not set(keys) & exclude
+    again = perception_probes(cfg.env, 120, cfg.rollout.max_turns, exclude)
+    assert [(p.seed, p.question, p.answer) for p in again] == [(p.seed, p.question, p.answer) for p in probes]
+    assert all(np.array_equal(np.asarray(a.frame), np.asarray(b.frame)) for a, b in zip(again, probes))
+
+
+def test_a_probe_sample_trains_on_the_answer_only(tiny_vl):
+    _, model, processor = tiny_vl
+    cfg = load_config("sokoban_visual")
+    probe = perception_probes(cfg.env, 1, cfg.rollout.max_turns)[0]
+    encoder = ChatEncoder(processor)
+    sample = question_sample(encoder, model, probe.frame, probe.question, probe.answer)
+    generated = sample.input_ids[sample.loss_mask.bool()].tolist()
+    assert processor.tokenizer.decode(generated) == f"<answer>{probe.answer}</answer><|im_end|>"
+    answer = sample.input_ids[sample.answer_mask.bool()].tolist()
+    assert str(probe.answer) in processor.tokenizer.decode(answer)
+    assert sample.image_grid_thw.tolist() == [[1, 12, 12]]  # 168 px: 6x6 merged image tokens
+
+
+def test_perception_stage_settings_are_checked():
+    with pytest.raises(ConfigError, match="sft.perception_steps=-1 must be >= 0"):
+        load_config("sokoban_visual", ["sft.perception_steps=-1"])
+    with pytest.raises(ConfigError, match="env.render_mode=text"):
+        load_config("frozenlake_text", ["sft.perception_steps=100"])
+    with pytest.raises(ValueError, match="no grid state"):
+        perception_probes(load_config("navigation_visual", []).env, 4, 3)
+
+
+def test_perception_settings_enter_the_cache_key_only_when_the_stage_runs(tmp_path):
+    key = sft.cache_key(load_config("sokoban_visual"), tmp_path, "teacher")
+    assert sft.cache_key(load_config("sokoban_visual", ["sft.perception_levels=500"]), tmp_path, "teacher") == key
+    staged = sft.cache_key(load_config("sokoban_visual", ["sft.perception_steps=100"]), tmp_path, "teacher")
+    assert staged != key
+    assert sft.cache_key(load_config("sokoban_visual", ["sft.perception_steps=100", "sft.perception_levels=500"]),
+                         tmp_path, "teacher") != staged
+
+
+def test_a_build_with_a_perception_stage_records_it(tmp_path, model_cache, distributed):
+    overrides = ["sft.demos=16", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8",
+                 "sft.micro_batch_size=8", "sft.check_every=2", "sft.max_steps=2", "sft.min_steps=0",
+                 "sft.perception_steps=4", "sft.perception_levels=16", "rollout.max_turns=2"]
+    cfg = load_config("sokoban_visual", overrides)
+    base = resolve_model_path(cfg.model.path, model_cache)
+    said = []
+    stats = sft.build_warm_start(cfg, base, tmp_path / "ws", "teacher", distributed, log=said.append)
+    assert stats["sft/perception_steps"] == 4 and stats["sft/step"] == 2
+    assert 0.0 <= stats["sft/perception_accuracy"] <= 1.0 and 0.25 <= stats["sft/perception_majority"] <= 1.0
+    assert sum(line.startswith("perception: sft/val_answer_accuracy=") for line in said) == 2  # steps 2 and 4
+    state = json.loads((tmp_path / "ws" / sft.STATE_FILE).read_text())
+    assert state["sft/perception_steps"] == 4 and state["sft"]["perception_levels"] == 16
+
+
+def test_the_perception_stage_ends_once_the_model_reads_the_frames(tmp_path, model_cache, distributed, monkeypatch):
+    # held-out accuracy at the target ends the stage at the first check, not at sft.perception_steps
+    monkeypatch.setattr(sft, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": sft.PERCEPTION_TARGET,
+                                                                "sft/val_nll": 0.1})
+    cfg = load_config("sokoban_visual", ["sft.batch_size=8", "sft.micro_batch_size=8", "sft.check_every=3",
+                                         "sft.perception_steps=30", "sft.perception_levels=16"])
+    from vagen.models import load_policy
+
+    model, processor = load_policy(resolve_model_path(cfg.model.path, model_cache))
+    stats = sft.perception_stage(model, ChatEncoder(processor), cfg, distributed, log=lambda _: None)
+    assert stats["sft/perception_steps"] == 3 and stats["sft/perception_accuracy"] == sft.PERCEPTION_TARGET

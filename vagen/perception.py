@@ -1,0 +1,107 @@
+"""Perception questions for the first stage of a warm start: one-turn questions about where things
+are in the env's own frames ("Which row is the box in?"), answered with one digit.
+
+A tiny model fine-tuned on demonstrations can learn the answer format and the common moves from the
+text alone and never start reading the frame (the build's frame check says so). These questions
+have no answer without the image, so a few hundred steps on them first make the model look; the
+demonstrations are learned afterwards from that checkpoint (`sft.perception_steps`).
+
+    probes = perception_probes(cfg.env, 2000, cfg.rollout.max_turns, exclude=eval_level_keys(cfg.env, 1024))
+    sample = question_sample(encoder, model, probes[0].frame, probes[0].question, probes[0].answer)
+
+Frames are the ones an episode shows: a level's start after a random number of the teacher's moves.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from vagen.demos import level_key
+from vagen.rollout import ChatEncoder, Episode, Turn, make_env
+
+# state() keys of objects that sit on one cell, and how a question names them
+OBJECTS = {"player": "the player", "boxes": "the box", "targets": "the target"}
+SYSTEM_PROMPT = "Answer with one digit."
+AXES = {"row": "Rows are numbered 0 to {last} from the top.", "column": "Columns are numbered 0 to {last} from the left."}
+
+
+@dataclass
+class Probe:
+    seed: int
+    frame: Image.Image
+    question: str
+    answer: int
+
+
+def single_cell_objects(state: dict) -> dict[str, tuple[int, int]]:
+    """The objects of an env's `state()` that occupy exactly one cell, by their name in a question."""
+    out = {}
+    for key, name in OBJECTS.items():
+        value = state.get(key)
+        if isinstance(value, tuple):
+            out[name] = value
+        elif isinstance(value, list) and len(value) == 1:
+            out[name] = tuple(value[0])
+    return out
+
+
+def question(name: str, axis: str, size: int) -> str:
+    return f"Which {axis} is {name} in? {AXES[axis].format(last=size - 1)}\n<image>"
+
+
+def perception_probes(cfg_env, n: int, max_turns: int, exclude: set[str] = frozenset(), start_seed: int = 0,
+                      max_draws: int | None = None) -> list[Probe]:
+    """`n` questions on distinct levels from seeds `start_seed, start_seed + 1, …`, skipping levels in
+    `exclude`. Each level is played for a random number of the teacher's moves (fewer than an
+    episode's `max_turns * max_actions_per_turn`); the question asks for the row or column of one of
+    its single-cell objects (player, box, target), drawn from the seed."""
+    env = make_env(cfg_env, {"render_mode": "vision", "prompt_format": "no_think"})  # bare <answer> moves
+    env.reset(seed=start_seed)
+    if not hasattr(env, "state") or not single_cell_objects(env.state()):
+        raise ValueError(f"env {cfg_env.name!r} has no grid state with a player, box or target to ask about, so it "
+                         f"has no perception stage; set sft.perception_steps=0")
+    teacher = importlib.import_module(type(env).__module__).teacher_action
+    probes, seen, seed = [], set(exclude), start_seed
+    max_draws = max_draws or 50 * n
+    while len(probes) < n:
+        if seed - start_seed >= max_draws:
+            raise RuntimeError(f"only {len(probes)} new distinct {cfg_env.name} levels in {max_draws} seeds from "
+                               f"{start_seed}, {n} requested; set sft.perception_levels lower")
+        env.reset(seed=seed)
+        key = level_key(env)
+        seed += 1
+        if key in seen:
+            continue
+        seen.add(key)
+        rng = np.random.default_rng([seed - 1, 13])
+        for _ in range(int(rng.integers(max_turns * env.max_actions_per_turn))):
+            _, _, terminated, truncated, info = env.step(f"<answer>{teacher(env.state(), rng)}</answer>")
+            assert info["format_ok"], f"the teacher's move does not parse in {cfg_env.name}"
+            if terminated or truncated:
+                break
+        state = env.state()
+        objects = single_cell_objects(state)
+        name = sorted(objects)[int(rng.integers(len(objects)))]
+        axis = ("row", "column")[int(rng.integers(2))]
+        size = state["size"][0 if axis == "row" else 1]
+        probes.append(Probe(seed - 1, env.render_image(), question(name, axis, size),
+                            objects[name][0 if axis == "row" else 1]))
+    return probes
+
+
+def question_sample(encoder: ChatEncoder, model, frame: Image.Image, text: str, answer: int, seed: int = 0):
+    """A one-turn training sample (`vagen.trajectory.Sample`): `text` with `frame`, answered
+    `<answer>ANSWER</answer>`, tokenised as `rollout` would."""
+    from vagen.trajectory import episode_to_sample
+
+    episode = Episode("probe", seed, 0, SYSTEM_PROMPT)
+    ids, pixel_values, grids = encoder.user_segment(text, [frame], True, episode.system_prompt)
+    generated, response = encoder.finish_response(encoder.encode_text(f"<answer>{answer}</answer>"))
+    episode.input_ids = ids + generated
+    episode.pixel_values, episode.image_grid_thw = pixel_values, grids
+    episode.turns.append(Turn(text, [frame], response, 0.0, {}, (len(ids), len(episode.input_ids)), len(generated)))
+    return episode_to_sample(episode, encoder, model)
