@@ -21,7 +21,7 @@ def test_single_cell_objects_are_the_player_and_lone_boxes_and_targets():
 
 def test_frozenlake_answers_name_the_cell_the_frame_shows_the_player_in():
     cfg = load_config("frozenlake_visual")
-    probes = perception_probes(cfg.env, 24, cfg.rollout.max_turns)
+    probes = perception_probes(cfg.env, 24, 8)
     env = make_env(cfg.env)
     moved = 0
     for probe in probes:
@@ -46,7 +46,7 @@ def test_frozenlake_answers_name_the_cell_the_frame_shows_the_player_in():
 def test_sokoban_probes_ask_about_every_object_on_distinct_non_evaluation_levels():
     cfg = load_config("sokoban_visual")
     exclude = eval_level_keys(cfg.env, 64)
-    probes = perception_probes(cfg.env, 120, cfg.rollout.max_turns, exclude)
+    probes = perception_probes(cfg.env, 120, 8, exclude)
     names = {p.question.split(" in?")[0] for p in probes}
     assert names == {f"Which {axis} is the {name}" for axis in ("row", "column") for name in ("player", "box", "target")}
     assert all(1 <= p.answer <= 4 for p in probes)  # inside the surrounding walls of a 6x6 room
@@ -56,7 +56,7 @@ def test_sokoban_probes_ask_about_every_object_on_distinct_non_evaluation_levels
         env.reset(seed=probe.seed)
         keys.append(level_key(env))
     assert len(set(keys)) == len(keys) and not set(keys) & exclude
-    again = perception_probes(cfg.env, 120, cfg.rollout.max_turns, exclude)
+    again = perception_probes(cfg.env, 120, 8, exclude)
     assert [(p.seed, p.question, p.answer) for p in again] == [(p.seed, p.question, p.answer) for p in probes]
     assert all(np.array_equal(np.asarray(a.frame), np.asarray(b.frame)) for a, b in zip(again, probes))
 
@@ -64,7 +64,7 @@ def test_sokoban_probes_ask_about_every_object_on_distinct_non_evaluation_levels
 def test_a_probe_sample_trains_on_the_answer_only(tiny_vl):
     _, model, processor = tiny_vl
     cfg = load_config("sokoban_visual")
-    probe = perception_probes(cfg.env, 1, cfg.rollout.max_turns)[0]
+    probe = perception_probes(cfg.env, 1, 8)[0]
     encoder = ChatEncoder(processor)
     sample = question_sample(encoder, model, probe.frame, probe.question, probe.answer)
     generated = sample.input_ids[sample.loss_mask.bool()].tolist()
@@ -80,7 +80,7 @@ def test_perception_stage_settings_are_checked():
     with pytest.raises(ConfigError, match="env.render_mode=text"):
         load_config("frozenlake_text", ["sft.perception_steps=100"])
     with pytest.raises(ValueError, match="no grid state"):
-        perception_probes(load_config("navigation_visual", []).env, 4, 3)
+        perception_probes(load_config("navigation_visual", []).env, 4, 8)
 
 
 def test_perception_settings_enter_the_cache_key_only_when_the_stage_runs(tmp_path):
@@ -118,3 +118,14 @@ def test_the_perception_stage_ends_once_the_model_reads_the_frames(tmp_path, mod
     model, processor = load_policy(resolve_model_path(cfg.model.path, model_cache))
     stats = sft.perception_stage(model, ChatEncoder(processor), cfg, distributed, log=lambda _: None)
     assert stats["sft/perception_steps"] == 3 and stats["sft/perception_accuracy"] == sft.PERCEPTION_TARGET
+
+
+def test_probes_can_be_limited_to_level_starts_and_chosen_questions():
+    cfg = load_config("sokoban_visual")
+    probes = perception_probes(cfg.env, 12, 0, objects=("player",), axes=("row",))
+    env = make_env(cfg.env)
+    for probe in probes:
+        env.reset(seed=probe.seed)
+        assert np.array_equal(np.asarray(probe.frame), np.asarray(env.render_image()))  # no move made
+        assert probe.question.startswith("Which row is the player in?")
+        assert probe.answer == env.state()["player"][0]

@@ -37,10 +37,11 @@ class Probe:
     answer: int
 
 
-def single_cell_objects(state: dict) -> dict[str, tuple[int, int]]:
-    """The objects of an env's `state()` that occupy exactly one cell, by their name in a question."""
+def single_cell_objects(state: dict, keys=tuple(OBJECTS)) -> dict[str, tuple[int, int]]:
+    """The objects of an env's `state()` (among `keys`) that occupy exactly one cell, by their name in a
+    question."""
     out = {}
-    for key, name in OBJECTS.items():
+    for key, name in ((k, OBJECTS[k]) for k in keys):
         value = state.get(key)
         if isinstance(value, tuple):
             out[name] = value
@@ -53,15 +54,15 @@ def question(name: str, axis: str, size: int) -> str:
     return f"Which {axis} is {name} in? {AXES[axis].format(last=size - 1)}\n<image>"
 
 
-def perception_probes(cfg_env, n: int, max_turns: int, exclude: set[str] = frozenset(), start_seed: int = 0,
-                      max_draws: int | None = None) -> list[Probe]:
+def perception_probes(cfg_env, n: int, max_moves: int, exclude: set[str] = frozenset(), start_seed: int = 0,
+                      max_draws: int | None = None, objects=tuple(OBJECTS), axes=("row", "column")) -> list[Probe]:
     """`n` questions on distinct levels from seeds `start_seed, start_seed + 1, …`, skipping levels in
-    `exclude`. Each level is played for a random number of the teacher's moves (fewer than an
-    episode's `max_turns * max_actions_per_turn`); the question asks for the row or column of one of
-    its single-cell objects (player, box, target), drawn from the seed."""
+    `exclude`. Each level is played for a random number (0 to `max_moves`) of the teacher's moves;
+    the question asks for one of `axes` of one of its single-cell `objects` (state() keys: player,
+    boxes, targets), both drawn from the seed."""
     env = make_env(cfg_env, {"render_mode": "vision", "prompt_format": "no_think"})  # bare <answer> moves
     env.reset(seed=start_seed)
-    if not hasattr(env, "state") or not single_cell_objects(env.state()):
+    if not hasattr(env, "state") or not single_cell_objects(env.state(), objects):
         raise ValueError(f"env {cfg_env.name!r} has no grid state with a player, box or target to ask about, so it "
                          f"has no perception stage; set sft.perception_steps=0")
     teacher = importlib.import_module(type(env).__module__).teacher_action
@@ -78,18 +79,18 @@ def perception_probes(cfg_env, n: int, max_turns: int, exclude: set[str] = froze
             continue
         seen.add(key)
         rng = np.random.default_rng([seed - 1, 13])
-        for _ in range(int(rng.integers(max_turns * env.max_actions_per_turn))):
+        for _ in range(int(rng.integers(max_moves + 1))):
             _, _, terminated, truncated, info = env.step(f"<answer>{teacher(env.state(), rng)}</answer>")
             assert info["format_ok"], f"the teacher's move does not parse in {cfg_env.name}"
             if terminated or truncated:
                 break
         state = env.state()
-        objects = single_cell_objects(state)
-        name = sorted(objects)[int(rng.integers(len(objects)))]
-        axis = ("row", "column")[int(rng.integers(2))]
+        cells = single_cell_objects(state, objects)
+        name = sorted(cells)[int(rng.integers(len(cells)))]
+        axis = axes[int(rng.integers(len(axes)))]
         size = state["size"][0 if axis == "row" else 1]
         probes.append(Probe(seed - 1, env.render_image(), question(name, axis, size),
-                            objects[name][0 if axis == "row" else 1]))
+                            cells[name][0 if axis == "row" else 1]))
     return probes
 
 
