@@ -78,6 +78,8 @@ def main() -> int:
                         help="re-initialise the vision tower's weight matrices with this std (0: keep)")
     parser.add_argument("--no-center", action="store_true",
                         help="remove the built-in model's per-image centring of image tokens")
+    parser.add_argument("--no-position-code", action="store_true",
+                        help="remove the built-in model's row and column code on image tokens")
     args = parser.parse_args()
     from vagen.train import init_distributed
 
@@ -92,7 +94,9 @@ def main() -> int:
                 if param.dim() > 1:
                     torch.nn.init.normal_(param, std=args.vision_init)
     if args.no_center:
-        model.model.visual._forward_hooks.clear()
+        model.model.visual._vagen_center = False
+    if args.no_position_code:
+        model.model.visual._vagen_position_code = False
     rng = np.random.default_rng(0)
     train = [probe_sample(args.env, seed, rng, encoder, model)[0] for seed in range(2000)]
     held_out, rows = zip(*(probe_sample(args.env, 10**9 + seed, rng, encoder, model) for seed in range(200)))

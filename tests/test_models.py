@@ -3,7 +3,14 @@ import json
 import pytest
 import torch
 
-from vagen.models import BUILTINS, ValueModel, is_vision_checkpoint, load_policy, resolve_model_path
+from vagen.models import (
+    BUILTINS,
+    ValueModel,
+    image_position_code,
+    is_vision_checkpoint,
+    load_policy,
+    resolve_model_path,
+)
 
 
 def test_tiny_vl_is_a_real_qwen2_5_vl_that_loads_through_auto_classes(tiny_vl):
@@ -77,9 +84,20 @@ def test_tiny_vl_centres_each_images_tokens_independently_of_the_batch(tiny_vl, 
                        for a in alone]
         feats_both = torch.cat(model.model.get_image_features(both["pixel_values"], both["image_grid_thw"]).pooler_output)
     assert [f.shape[0] for f in feats_alone] == [16, 16]  # one token per 28-px cell
-    for feats in feats_alone:
-        assert torch.allclose(feats.mean(0), torch.zeros(feats.shape[1]), atol=1e-6)
     assert torch.allclose(torch.cat(feats_alone), feats_both, atol=1e-5)
+    # each image's tokens are centred, then carry the code of their cell scaled to the image's token size
+    visual = model.model.visual
+    visual._vagen_position_code = False
+    try:
+        with torch.no_grad():
+            centred = [torch.cat(model.model.get_image_features(a["pixel_values"], a["image_grid_thw"]).pooler_output)
+                       for a in alone]
+    finally:
+        visual._vagen_position_code = True
+    for feats, plain in zip(feats_alone, centred):
+        assert torch.allclose(plain.mean(0), torch.zeros(plain.shape[1]), atol=1e-6)
+        code = image_position_code(4, 4, plain.shape[1])
+        assert torch.allclose(feats, plain + plain.pow(2).mean().sqrt() * code, atol=1e-6)
     # the flag travels with saved checkpoints; a checkpoint without it is not centred
     model.save_pretrained(tmp_path / "ckpt")
     processor.save_pretrained(tmp_path / "ckpt")
@@ -87,4 +105,20 @@ def test_tiny_vl_centres_each_images_tokens_independently_of_the_batch(tiny_vl, 
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     config["vagen_center_image_tokens"] = False
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    assert load_policy(tmp_path / "ckpt")[0].model.visual._vagen_center is False
+    config["vagen_image_position_code"] = False
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     assert not load_policy(tmp_path / "ckpt")[0].model.visual._forward_hooks
+
+
+def test_image_position_code_is_sines_of_row_and_column():
+    code = image_position_code(2, 3, 10, frequencies=2)
+    assert code.shape == (6, 10)
+    half = 2 ** -0.5
+    # the cell in row 1, column 2 (raster index 5): sin and cos of 1 * (pi/2, pi/4), then of 2 * (pi/2, pi/4)
+    expected = torch.tensor([1.0, half, 0.0, half, 0.0, 1.0, -1.0, 0.0, 0.0, 0.0])
+    assert torch.allclose(code[5], expected, atol=1e-6)
+    assert torch.allclose(code[0], torch.tensor([0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]))
+    assert len({tuple(row.tolist()) for row in image_position_code(6, 6, 32)}) == 36  # every cell differs
+    with pytest.raises(ValueError, match="needs 32 features, but image tokens have 16"):
+        image_position_code(2, 2, 16)

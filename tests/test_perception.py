@@ -77,10 +77,16 @@ def test_a_probe_sample_trains_on_the_answer_only(tiny_vl):
 def test_perception_stage_settings_are_checked():
     with pytest.raises(ConfigError, match="sft.perception_steps=-1 must be >= 0"):
         load_config("sokoban_visual", ["sft.perception_steps=-1"])
+    with pytest.raises(ConfigError, match="sft.perception_batch_size=0 >= 1"):
+        load_config("sokoban_visual", ["sft.perception_batch_size=0"])
+    with pytest.raises(ConfigError, match="must name row, column or both"):
+        load_config("sokoban_visual", ["sft.perception_axes=[diagonal]"])
     with pytest.raises(ConfigError, match="env.render_mode=text"):
         load_config("frozenlake_text", ["sft.perception_steps=100"])
     with pytest.raises(ValueError, match="no grid state"):
         perception_probes(load_config("navigation_visual", []).env, 4, 8)
+    with pytest.raises(ValueError, match="about \\['holes'\\] are not available; choose among player, boxes"):
+        perception_probes(load_config("frozenlake_visual", []).env, 4, 8, objects=("player", "holes"))
 
 
 def test_perception_settings_enter_the_cache_key_only_when_the_stage_runs(tmp_path):
@@ -90,12 +96,15 @@ def test_perception_settings_enter_the_cache_key_only_when_the_stage_runs(tmp_pa
     assert staged != key
     assert sft.cache_key(load_config("sokoban_visual", ["sft.perception_steps=100", "sft.perception_levels=500"]),
                          tmp_path, "teacher") != staged
+    assert sft.cache_key(load_config("sokoban_visual", ["sft.perception_steps=100", "sft.perception_objects=[player]"]),
+                         tmp_path, "teacher") != staged
 
 
 def test_a_build_with_a_perception_stage_records_it(tmp_path, model_cache, distributed):
     overrides = ["sft.demos=16", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8",
                  "sft.micro_batch_size=8", "sft.check_every=2", "sft.max_steps=2", "sft.min_steps=0",
-                 "sft.perception_steps=4", "sft.perception_levels=16", "rollout.max_turns=2"]
+                 "sft.perception_steps=4", "sft.perception_levels=16", "sft.perception_batch_size=8",
+                 "rollout.max_turns=2"]
     cfg = load_config("sokoban_visual", overrides)
     base = resolve_model_path(cfg.model.path, model_cache)
     said = []
@@ -111,7 +120,7 @@ def test_the_perception_stage_ends_once_the_model_reads_the_frames(tmp_path, mod
     # held-out accuracy at the target ends the stage at the first check, not at sft.perception_steps
     monkeypatch.setattr(sft, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": sft.PERCEPTION_TARGET,
                                                                 "sft/val_nll": 0.1})
-    cfg = load_config("sokoban_visual", ["sft.batch_size=8", "sft.micro_batch_size=8", "sft.check_every=3",
+    cfg = load_config("sokoban_visual", ["sft.perception_batch_size=8", "sft.check_every=3",
                                          "sft.perception_steps=30", "sft.perception_levels=16"])
     from vagen.models import load_policy
 

@@ -140,6 +140,10 @@ class SFTConfig:
     perception_steps: int = _f(0, "steps at most of a first stage on questions about the env's frames ('Which row "
                                   "is the box in?', vagen.perception) before the demonstrations; 0 = none")
     perception_levels: int = _f(2000, "levels (one question each) for the perception stage")
+    perception_objects: list = _f(["player", "boxes", "targets"],
+                                  "what the perception questions ask about (state() keys of one-cell objects)")
+    perception_axes: list = _f(["row", "column"], "which coordinates the perception questions ask for")
+    perception_batch_size: int = _f(32, "questions per optimizer step of the perception stage")
 
 
 @dataclass
@@ -224,9 +228,12 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), key)
         if value < 1:
             raise ConfigError(f"{section}.{key}={value} must be >= 1")
-    if cfg.sft.perception_steps < 0 or cfg.sft.perception_levels < 1:
-        raise ConfigError(f"sft.perception_steps={cfg.sft.perception_steps} must be >= 0 and "
-                          f"sft.perception_levels={cfg.sft.perception_levels} >= 1")
+    if set(cfg.sft.perception_axes) - {"row", "column"} or not cfg.sft.perception_axes:
+        raise ConfigError(f"sft.perception_axes={cfg.sft.perception_axes} must name row, column or both")
+    if cfg.sft.perception_steps < 0 or cfg.sft.perception_levels < 1 or cfg.sft.perception_batch_size < 1:
+        raise ConfigError(f"sft.perception_steps={cfg.sft.perception_steps} must be >= 0, and "
+                          f"sft.perception_levels={cfg.sft.perception_levels} and "
+                          f"sft.perception_batch_size={cfg.sft.perception_batch_size} >= 1")
     if cfg.sft.perception_steps and cfg.env.render_mode != "vision":
         raise ConfigError(f"sft.perception_steps={cfg.sft.perception_steps} asks questions about frames, but "
                           f"env.render_mode={cfg.env.render_mode}; set sft.perception_steps=0 or env.render_mode=vision")

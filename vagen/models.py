@@ -75,6 +75,7 @@ class TinySpec:
     min_pixels: int = 56 * 56
     max_pixels: int = 224 * 224
     center_image_tokens: bool = True
+    image_position_code: bool = True
     version: int = 2
 
 
@@ -209,6 +210,7 @@ def _build_tiny(name: str, out_dir: Path, seed: int, spec: TinySpec) -> None:
         # Stored in config.json, so every checkpoint trained from this model keeps it; see
         # `center_image_tokens`.
         setattr(config, CENTER_IMAGE_TOKENS, spec.center_image_tokens)
+        setattr(config, IMAGE_POSITION_CODE, spec.image_position_code)
         model = Qwen2_5_VLForConditionalGeneration(config)
         bounds = dict(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
         processor = Qwen2_5_VLProcessor(
@@ -275,36 +277,70 @@ def is_vision_checkpoint(path: Path) -> bool:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-# A config.json flag of the built-in VLM: subtract each image's mean token from its image tokens.
+# config.json flags of the built-in VLM: subtract each image's mean token from its image tokens, and
+# add to each image token a fixed code of its cell's row and column.
 CENTER_IMAGE_TOKENS = "vagen_center_image_tokens"
+IMAGE_POSITION_CODE = "vagen_image_position_code"
+POSITION_FREQUENCIES = 8
 
 
-def _center_per_image(visual: nn.Module, args, kwargs, output):
+def image_position_code(rows: int, cols: int, dim: int, frequencies: int = POSITION_FREQUENCIES) -> torch.Tensor:
+    """[rows * cols, dim] codes of the cells of a rows x cols token grid in raster order: the sine and
+    cosine of the row index, then of the column index, at angular steps pi/2, pi/4, ... (periods 4,
+    8, ...), in the first 4 * `frequencies` features; the other features are 0."""
+    if dim < 4 * frequencies:
+        raise ValueError(f"an image position code of {frequencies} frequencies needs {4 * frequencies} features, "
+                         f"but image tokens have {dim}")
+    steps = torch.pi / 2 ** torch.arange(1, frequencies + 1, dtype=torch.float64)
+    row = torch.arange(rows, dtype=torch.float64).repeat_interleave(cols)[:, None] * steps
+    col = torch.arange(cols, dtype=torch.float64).repeat(rows)[:, None] * steps
+    code = torch.zeros(rows * cols, dim, dtype=torch.float64)
+    code[:, : 4 * frequencies] = torch.cat([row.sin(), row.cos(), col.sin(), col.cos()], 1)
+    return code.float()
+
+
+def _prepare_image_tokens(visual: nn.Module, args, kwargs, output):
     grid_thw = kwargs["grid_thw"] if "grid_thw" in kwargs else args[1]
-    counts = (grid_thw.prod(-1) // visual.spatial_merge_size**2).tolist()
+    merge = visual.spatial_merge_size
     tokens = output.pooler_output
-    output.pooler_output = torch.cat([part - part.mean(0, keepdim=True) for part in tokens.split(counts)])
+    parts = []
+    for part, (t, h, w) in zip(tokens.split((grid_thw.prod(-1) // merge**2).tolist()), grid_thw.tolist()):
+        if visual._vagen_center:
+            part = part - part.mean(0, keepdim=True)
+        if visual._vagen_position_code:
+            scale = part.detach().pow(2).mean().sqrt()
+            part = part + scale * image_position_code(h // merge, w // merge, part.shape[1]).to(part).repeat(t, 1)
+        parts.append(part)
+    output.pooler_output = torch.cat(parts)
     return output
 
 
 def center_image_tokens(model: nn.Module) -> bool:
-    """Subtract, per image, the mean of its merged image tokens before they enter the language model.
+    """Prepare each image's merged tokens before they enter the language model, as the built-in VLM's
+    config asks: subtract the image's mean token (`vagen_center_image_tokens`), then add a fixed
+    code of each token's row and column, scaled to the image's token magnitude
+    (`vagen_image_position_code`, `image_position_code`).
 
     A grid-world frame is mostly background, so every image token of a tiny randomly initialised
     VLM carries the same large component and the cells that matter differ from it by little;
     without centring the built-in model does not learn to read a cell's content at its position
-    (`benchmarks/vision_probe.py` stays at chance), with it the probe reaches 0.89 by step 800.
-    It is per image, so a frame's features do not depend on what else is in the batch (rollout and
-    update see the same numbers). Applied by `load_policy` to checkpoints whose config carries
-    `vagen_center_image_tokens: true` (the built-in VLM and everything trained from it); such a
-    checkpoint loads in plain transformers but computes without the centring there. Returns
-    whether the hook is installed."""
+    (`benchmarks/vision_probe.py` stays at chance). And nothing in a random vision tower tells a
+    token where its cell is (rotary positions only bias which tokens attend to which), so a question
+    about where the player is has no gradient toward its answer until the model stumbles on one:
+    with the code the probe learns in fewer steps and on frames it otherwise does not learn at all.
+    Both are per image, so a frame's features do not depend on what else is in the batch (rollout
+    and update see the same numbers). Applied by `load_policy` to checkpoints whose config carries
+    the flags (the built-in VLM and everything trained from it); such a checkpoint loads in plain
+    transformers but computes without them there. Returns whether the hook is installed."""
     visual = getattr(getattr(model, "model", None), "visual", None)
-    if visual is None or not getattr(model.config, CENTER_IMAGE_TOKENS, False):
+    center = bool(getattr(model.config, CENTER_IMAGE_TOKENS, False))
+    code = bool(getattr(model.config, IMAGE_POSITION_CODE, False))
+    if visual is None or not (center or code):
         return False
-    if not getattr(visual, "_vagen_centered", False):
-        visual.register_forward_hook(_center_per_image, with_kwargs=True)
-        visual._vagen_centered = True
+    visual._vagen_center, visual._vagen_position_code = center, code
+    if not getattr(visual, "_vagen_prepared", False):
+        visual.register_forward_hook(_prepare_image_tokens, with_kwargs=True)
+        visual._vagen_prepared = True
     return True
 
 

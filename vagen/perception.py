@@ -60,6 +60,10 @@ def perception_probes(cfg_env, n: int, max_moves: int, exclude: set[str] = froze
     `exclude`. Each level is played for a random number (0 to `max_moves`) of the teacher's moves;
     the question asks for one of `axes` of one of its single-cell `objects` (state() keys: player,
     boxes, targets), both drawn from the seed."""
+    unknown = [key for key in objects if key not in OBJECTS]
+    if unknown:
+        raise ValueError(f"perception questions about {unknown} are not available; choose among "
+                         f"{', '.join(OBJECTS)} (sft.perception_objects)")
     env = make_env(cfg_env, {"render_mode": "vision", "prompt_format": "no_think"})  # bare <answer> moves
     env.reset(seed=start_seed)
     if not hasattr(env, "state") or not single_cell_objects(env.state(), objects):

@@ -243,7 +243,8 @@ def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
     sft = cfg.sft
     exclude = eval_level_keys(cfg.env, sft.exclude_eval)
     moves = cfg.rollout.max_turns * cfg.env.max_actions_per_turn - 1  # any frame an episode can show
-    probes = perception_probes(cfg.env, sft.perception_levels + PERCEPTION_VAL_LEVELS, moves, exclude)
+    probes = perception_probes(cfg.env, sft.perception_levels + PERCEPTION_VAL_LEVELS, moves, exclude,
+                               objects=tuple(sft.perception_objects), axes=tuple(sft.perception_axes))
     samples = [question_sample(encoder, model, p.frame, p.question, p.answer, p.seed) for p in probes]
     train, val = samples[: sft.perception_levels], samples[sft.perception_levels:]
     answers = [p.answer for p in probes[sft.perception_levels:]]
@@ -252,8 +253,9 @@ def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
         f"answering the most common digit scores {majority:.3f} on {len(val)} held-out levels")
     steps = sft.perception_steps
     # accuracy sits at the majority answer's level for hundreds of steps before the model looks: no patience
-    stage = dataclasses.replace(cfg, sft=dataclasses.replace(sft, lr_schedule="constant", max_steps=steps,
-                                                             min_steps=0, patience=steps))
+    stage = dataclasses.replace(cfg, sft=dataclasses.replace(
+        sft, lr_schedule="constant", max_steps=steps, min_steps=0, patience=steps, length_window=1,
+        batch_size=sft.perception_batch_size, micro_batch_size=sft.perception_batch_size))
     engine = sft_engine(model, stage, dist)
     stats = train_sft(engine, train, val, stage, encoder.pad_id, dist.device, log=lambda s: log(f"perception: {s}"),
                       target_accuracy=PERCEPTION_TARGET)
@@ -302,7 +304,8 @@ def cache_key(cfg, base_path: Path, policy: str) -> str:
     env = cfg.env
     sft = dataclasses.asdict(cfg.sft)
     if not cfg.sft.perception_steps:
-        del sft["perception_steps"], sft["perception_levels"]
+        for key in [k for k in sft if k.startswith("perception_")]:
+            del sft[key]
     parts = [VERSION, demonstration_code(env.name, bool(cfg.sft.perception_steps)), Path(base_path).name, policy,
              env.name, env.params, env.prompt_format, env.render_mode,
              env.max_actions_per_turn, cfg.rollout.max_turns, cfg.model.min_pixels, cfg.model.max_pixels,
