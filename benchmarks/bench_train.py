@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import vagen.rollout as rollout_module  # noqa: E402
 from vagen import core  # noqa: E402
 from vagen.config import load_config  # noqa: E402
-from vagen.models import load_policy, resolve_model_path  # noqa: E402
+from vagen.models import base_checkpoint, load_policy  # noqa: E402
 from vagen.rollout import ChatEncoder, batch_generation_inputs, rollout, train_seeds  # noqa: E402
 from vagen.trajectory import collate, episode_to_sample, model_inputs  # noqa: E402
 from vagen.update import annotate, chunks, compute_advantages, ppo_update  # noqa: E402
@@ -120,7 +120,7 @@ def main():
     cfg = load_config(args.config, [f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
                                     f"rollout.max_new_tokens={args.max_new_tokens}", "algo.adv_estimator=grpo",
                                     "train.mini_batch_size=8", "train.micro_batch_size=4"])
-    model, processor = load_policy(resolve_model_path(cfg.model.path, cfg.model.builtin_cache, cfg.model.builtin_seed))
+    model, processor = load_policy(base_checkpoint(cfg.model))
     encoder = ChatEncoder(processor)
     seeds = train_seeds(0, args.groups)
     model.eval()

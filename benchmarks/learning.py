@@ -295,7 +295,7 @@ def main(argv=None) -> int:
     from vagen import sft
     from vagen.config import load_config
     from vagen.demos import distinct_eval_seeds, scripted_baselines
-    from vagen.models import resolve_model_path
+    from vagen.models import base_checkpoint
     from vagen.train import init_distributed
 
     dist = init_distributed()
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
             print(f"== {env}: {len(seeds)} distinct held-out levels", flush=True)
         t0 = time.perf_counter()  # a child of --jobs finds the warm start cached
         warm_start = given or sft.warm_start_checkpoint(
-            cfg, resolve_model_path(cfg.model.path, cfg.model.builtin_cache, cfg.model.builtin_seed), dist)
+            cfg, base_checkpoint(cfg.model), dist)
         build_minutes = (time.perf_counter() - t0) / 60
         if args.part:  # a child of --jobs: one (method, seed)
             curve = run_method(args.methods[0], warm_start, cfg_name, cfg, args.only_seed, args, seeds, out, dist)

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import envs_visual  # noqa: E402
 from vagen.config import load_config  # noqa: E402
-from vagen.models import load_policy, resolve_model_path  # noqa: E402
+from vagen.models import TinySpec, load_policy, resolve_model_path  # noqa: E402
 from vagen.perception import question, question_sample  # noqa: E402
 from vagen.rollout import ChatEncoder  # noqa: E402
 from vagen.sft import masked_logits, nll_loss, sft_engine  # noqa: E402
@@ -78,15 +78,17 @@ def main() -> int:
                         help="re-initialise the vision tower's weight matrices with this std (0: keep)")
     parser.add_argument("--no-center", action="store_true",
                         help="remove the built-in model's per-image centring of image tokens")
-    parser.add_argument("--no-position-code", action="store_true",
-                        help="remove the built-in model's row and column code on image tokens")
+    parser.add_argument("--position-code", action="store_true",
+                        help="the built-in model with a row and column code on each image token "
+                             "(model.builtin_position_code)")
     args = parser.parse_args()
     from vagen.train import init_distributed
 
     dist = init_distributed()
     cfg = load_config("frozenlake_visual", [f"sft.lr={args.lr}", f"sft.batch_size={args.batch}",
                                             f"sft.micro_batch_size={args.batch}"])
-    model, processor = load_policy(resolve_model_path(args.model, cfg.model.builtin_cache))
+    spec = TinySpec(image_position_code=args.position_code)
+    model, processor = load_policy(resolve_model_path(args.model, cfg.model.builtin_cache, spec=spec))
     encoder = ChatEncoder(processor)
     if args.vision_init:
         with torch.no_grad():
@@ -95,8 +97,6 @@ def main() -> int:
                     torch.nn.init.normal_(param, std=args.vision_init)
     if args.no_center:
         model.model.visual._vagen_center = False
-    if args.no_position_code:
-        model.model.visual._vagen_position_code = False
     rng = np.random.default_rng(0)
     train = [probe_sample(args.env, seed, rng, encoder, model)[0] for seed in range(2000)]
     held_out, rows = zip(*(probe_sample(args.env, 10**9 + seed, rng, encoder, model) for seed in range(200)))

@@ -84,20 +84,10 @@ def test_tiny_vl_centres_each_images_tokens_independently_of_the_batch(tiny_vl, 
                        for a in alone]
         feats_both = torch.cat(model.model.get_image_features(both["pixel_values"], both["image_grid_thw"]).pooler_output)
     assert [f.shape[0] for f in feats_alone] == [16, 16]  # one token per 28-px cell
+    for feats in feats_alone:
+        assert torch.allclose(feats.mean(0), torch.zeros(feats.shape[1]), atol=1e-6)
     assert torch.allclose(torch.cat(feats_alone), feats_both, atol=1e-5)
-    # each image's tokens are centred, then carry the code of their cell scaled to the image's token size
-    visual = model.model.visual
-    visual._vagen_position_code = False
-    try:
-        with torch.no_grad():
-            centred = [torch.cat(model.model.get_image_features(a["pixel_values"], a["image_grid_thw"]).pooler_output)
-                       for a in alone]
-    finally:
-        visual._vagen_position_code = True
-    for feats, plain in zip(feats_alone, centred):
-        assert torch.allclose(plain.mean(0), torch.zeros(plain.shape[1]), atol=1e-6)
-        code = image_position_code(4, 4, plain.shape[1])
-        assert torch.allclose(feats, plain + plain.pow(2).mean().sqrt() * code, atol=1e-6)
+    assert "vagen_image_position_code" not in json.loads((path / "config.json").read_text())  # off by default
     # the flag travels with saved checkpoints; a checkpoint without it is not centred
     model.save_pretrained(tmp_path / "ckpt")
     processor.save_pretrained(tmp_path / "ckpt")
@@ -105,10 +95,28 @@ def test_tiny_vl_centres_each_images_tokens_independently_of_the_batch(tiny_vl, 
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     config["vagen_center_image_tokens"] = False
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
-    assert load_policy(tmp_path / "ckpt")[0].model.visual._vagen_center is False
-    config["vagen_image_position_code"] = False
-    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     assert not load_policy(tmp_path / "ckpt")[0].model.visual._forward_hooks
+
+
+def test_the_position_code_is_added_to_each_images_centred_tokens(tiny_vl, tmp_path):
+    import envs_visual
+    from vagen.config import load_config
+    from vagen.models import base_checkpoint
+
+    cfg = load_config("sokoban_visual", ["model.builtin_position_code=true", f"model.builtin_cache={tmp_path}"])
+    path = base_checkpoint(cfg.model)
+    assert json.loads((path / "config.json").read_text())["vagen_image_position_code"] is True
+    model, processor = load_policy(path)
+    plain = tiny_vl[1]  # the same seed without the code: the same weights
+    env = envs_visual.make("sokoban", dim_room=[6, 6], num_boxes=1, cell_size=28)
+    env.reset(seed=3)
+    inputs = processor.image_processor(images=[env.render_image()], return_tensors="pt")
+    with torch.no_grad():
+        coded = torch.cat(model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output)
+        centred = torch.cat(plain.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output)
+    assert coded.shape == (36, 128)  # one token per 28-px cell of the 6x6 room
+    expected = centred + centred.pow(2).mean().sqrt() * image_position_code(6, 6, 128)
+    assert torch.allclose(coded, expected, atol=1e-6)
 
 
 def test_image_position_code_is_sines_of_row_and_column():

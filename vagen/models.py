@@ -75,7 +75,7 @@ class TinySpec:
     min_pixels: int = 56 * 56
     max_pixels: int = 224 * 224
     center_image_tokens: bool = True
-    image_position_code: bool = True
+    image_position_code: bool = False
     version: int = 2
 
 
@@ -210,7 +210,8 @@ def _build_tiny(name: str, out_dir: Path, seed: int, spec: TinySpec) -> None:
         # Stored in config.json, so every checkpoint trained from this model keeps it; see
         # `center_image_tokens`.
         setattr(config, CENTER_IMAGE_TOKENS, spec.center_image_tokens)
-        setattr(config, IMAGE_POSITION_CODE, spec.image_position_code)
+        if spec.image_position_code:
+            setattr(config, IMAGE_POSITION_CODE, True)
         model = Qwen2_5_VLForConditionalGeneration(config)
         bounds = dict(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
         processor = Qwen2_5_VLProcessor(
@@ -239,7 +240,9 @@ def resolve_model_path(path: str, cache_dir: str = "~/.cache/vagen", seed: int =
     if path in BUILTINS:
         spec = spec or TinySpec()
         corpus_hash = hashlib.sha256("\n".join(tokenizer_corpus()).encode()).hexdigest()
-        key = hashlib.sha256(json.dumps([path, spec.__dict__, corpus_hash]).encode()).hexdigest()[:12]
+        # the position code off leaves the key (and the cache entry) of models built before it existed
+        fields = {k: v for k, v in spec.__dict__.items() if k != "image_position_code" or v}
+        key = hashlib.sha256(json.dumps([path, fields, corpus_hash]).encode()).hexdigest()[:12]
         root = Path(os.path.expanduser(cache_dir))
         root.mkdir(parents=True, exist_ok=True)
         out = root / f"{path.split(':')[1]}-{key}-seed{seed}"
@@ -257,6 +260,13 @@ def resolve_model_path(path: str, cache_dir: str = "~/.cache/vagen", seed: int =
             f"directory, or use one of {', '.join(BUILTINS)}"
         )
     return local
+
+
+def base_checkpoint(model_cfg, path: str | None = None) -> Path:
+    """`resolve_model_path` for the `model` config section: `path` (default `model.path`) with the
+    section's built-in seed, cache and image position code."""
+    spec = TinySpec(image_position_code=model_cfg.builtin_position_code)
+    return resolve_model_path(path or model_cfg.path, model_cfg.builtin_cache, model_cfg.builtin_seed, spec)
 
 
 @contextlib.contextmanager

@@ -422,12 +422,11 @@ def main(argv=None) -> int:
 
     cfg = load_config_or_exit(args.config, args.overrides)
     policy = args.policy or (cfg.model.warm_start if cfg.model.warm_start != "none" else "teacher")
-    from vagen.models import resolve_model_path
+    from vagen.models import base_checkpoint
     from vagen.train import init_distributed
 
     dist = init_distributed()
-    base = Path(args.base) if args.base else resolve_model_path(cfg.model.path, cfg.model.builtin_cache,
-                                                                  seed=cfg.model.builtin_seed)
+    base = Path(args.base) if args.base else base_checkpoint(cfg.model)
     out = Path(args.out) if args.out else warm_start_dir(cfg, base, policy)
     build_warm_start(cfg, base, out, policy, dist)
     if args.eval:

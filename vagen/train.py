@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     import torch
 
     from vagen import core
-    from vagen.models import ValueModel, load_policy, resolve_model_path, set_pixel_bounds
+    from vagen.models import ValueModel, base_checkpoint, load_policy, set_pixel_bounds
     from vagen.rollout import ChatEncoder, make_env, rollout, rollout_metrics, train_seeds
     from vagen.run import RunDir, reduce_metrics
     from vagen.sft import warm_start_checkpoint
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     is_main_process = dist.rank == 0
 
     # -- policy, critic, reference, engines ---------------------------------------------------------
-    path = resolve_model_path(cfg.model.path, cfg.model.builtin_cache, seed=cfg.model.builtin_seed)
+    path = base_checkpoint(cfg.model)
     path = warm_start_checkpoint(cfg, path, dist)  # SFT on demonstrations when model.warm_start != none
     actor, processor = load_policy(path, cfg.model.dtype)
     if cfg.model.gradient_checkpointing:
@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     use_critic = cfg.algo.adv_estimator in ("gae", "turn_gae")
     critic = None
     if use_critic:
-        critic_init, _ = load_policy(resolve_model_path(cfg.model.critic_path, cfg.model.builtin_cache, cfg.model.builtin_seed)
-                                     if cfg.model.critic_path else path, cfg.model.dtype)
+        critic_init, _ = load_policy(base_checkpoint(cfg.model, cfg.model.critic_path) if cfg.model.critic_path else path,
+                                     cfg.model.dtype)
         critic = ValueModel(critic_init)
     reference = None
     if cfg.algo.kl_coef > 0:
