@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import envs_visual  # noqa: E402
 from vagen.config import load_config  # noqa: E402
 from vagen.models import TinySpec, load_policy, resolve_model_path  # noqa: E402
-from vagen.perception import question, question_sample  # noqa: E402
+from vagen.perception import perception_probes, question, question_sample  # noqa: E402
 from vagen.rollout import ChatEncoder  # noqa: E402
 from vagen.sft import masked_logits, nll_loss, sft_engine  # noqa: E402
 from vagen.trajectory import collate  # noqa: E402
@@ -78,6 +78,9 @@ def main() -> int:
                         help="re-initialise the vision tower's weight matrices with this std (0: keep)")
     parser.add_argument("--no-center", action="store_true",
                         help="remove the built-in model's per-image centring of image tokens")
+    parser.add_argument("--moves", type=int, default=0,
+                        help="frames of distinct levels after 0 to MOVES of the teacher's moves (as the perception "
+                             "stage of a warm start sees them) instead of level starts / a randomly placed player")
     parser.add_argument("--position-code", action="store_true",
                         help="the built-in model with a row and column code on each image token "
                              "(model.builtin_position_code)")
@@ -98,9 +101,15 @@ def main() -> int:
     if args.no_center:
         model.model.visual._vagen_center = False
     rng = np.random.default_rng(0)
-    train = [probe_sample(args.env, seed, rng, encoder, model)[0] for seed in range(2000)]
-    held_out, rows = zip(*(probe_sample(args.env, 10**9 + seed, rng, encoder, model) for seed in range(200)))
-    held_out, rows = list(held_out), list(rows)
+    if args.moves:  # the perception stage's frames: distinct levels after 0..moves of the teacher's moves
+        cfg_env = load_config(f"{args.env}_visual").env
+        probes = perception_probes(cfg_env, 2200, args.moves, objects=("player",), axes=("row",))
+        samples = [question_sample(encoder, model, p.frame, p.question, p.answer, p.seed) for p in probes]
+        train, held_out, rows = samples[:2000], samples[2000:], [p.answer for p in probes[2000:]]
+    else:
+        train = [probe_sample(args.env, seed, rng, encoder, model)[0] for seed in range(2000)]
+        held_out, rows = zip(*(probe_sample(args.env, 10**9 + seed, rng, encoder, model) for seed in range(200)))
+        held_out, rows = list(held_out), list(rows)
     print(f"held-out levels: {len(held_out)}; always answering the most common row scores "
           f"{max(rows.count(r) for r in set(rows)) / len(rows):.3f}", flush=True)
     engine = sft_engine(model, cfg, dist)

@@ -142,9 +142,9 @@ class SFTConfig:
     perception_steps: int = _f(0, "steps at most of a first stage on questions about the env's frames ('Which row "
                                   "is the box in?', vagen.perception) before the demonstrations; 0 = none")
     perception_levels: int = _f(2000, "levels (one question each) for the perception stage")
-    perception_objects: list = _f(["player", "boxes", "targets"],
-                                  "what the perception questions ask about (state() keys of one-cell objects)")
-    perception_axes: list = _f(["row", "column"], "which coordinates the perception questions ask for")
+    perception_objects: list = _f(["player"], "what the perception questions ask about (state() keys of one-cell "
+                                              "objects: player, boxes, targets)")
+    perception_axes: list = _f(["row"], "which coordinates the perception questions ask for: row, column")
     perception_batch_size: int = _f(32, "questions per optimizer step of the perception stage")
 
 
