@@ -90,14 +90,16 @@ def test_perception_stage_settings_are_checked():
 
 
 def test_perception_settings_enter_the_cache_key_only_when_the_stage_runs(tmp_path):
-    key = sft.cache_key(load_config("sokoban_visual"), tmp_path, "teacher")
-    assert sft.cache_key(load_config("sokoban_visual", ["sft.perception_levels=500"]), tmp_path, "teacher") == key
-    staged = sft.cache_key(load_config("sokoban_visual", ["sft.perception_steps=100"]), tmp_path, "teacher")
-    assert staged != key
-    assert sft.cache_key(load_config("sokoban_visual", ["sft.perception_steps=100", "sft.perception_levels=500"]),
-                         tmp_path, "teacher") != staged
-    assert sft.cache_key(load_config("sokoban_visual", ["sft.perception_steps=100", "sft.perception_objects=[player]"]),
-                         tmp_path, "teacher") != staged
+    def key(*overrides):
+        return sft.cache_key(load_config("frozenlake_visual", list(overrides)), tmp_path, "teacher")
+
+    plain = key()
+    assert key("sft.perception_levels=500", "sft.perception_axes=[column]") == plain  # no stage: no rebuild
+    staged = key("sft.perception_steps=100")
+    assert staged != plain
+    for change in ["sft.perception_levels=500", "sft.perception_objects=[player, boxes]", "sft.perception_axes=[column]",
+                   "sft.perception_batch_size=16"]:
+        assert key("sft.perception_steps=100", change) != staged, change
 
 
 def test_a_build_with_a_perception_stage_records_it(tmp_path, model_cache, distributed):
