@@ -1,6 +1,7 @@
 """Can the built-in tiny VLM learn to read a frame at all? A one-turn perception probe.
 
     python benchmarks/vision_probe.py [--env frozenlake|sokoban] [--steps 2000] [--lr 1e-3] [--model builtin:tiny-vl]
+                                      [--moves 8] [--position-code]
 
 FrozenLake 4x4 frames (28-px cells, 16 image tokens) with the player moved to a random cell, or the
 first frames of Sokoban 6x6 levels (`--env sokoban`, 36 image tokens, rows 0-5); the
@@ -12,7 +13,9 @@ Measured on 2 cores: the built-in model (which centres each image's tokens, see
 `vagen.models.center_image_tokens`) stays at chance to step 600 and reaches 0.89 by step 800
 (143 s); with `--no-center` it stays at chance for 2,000 steps. On Sokoban (where always answering
 the most common row scores 0.355) accuracy is 0.26-0.49 to step 500, 0.99 at step 600 and 1.000 from
-step 700 (0.18 s per step on 2 threads).
+step 700 (0.18 s per step on 2 threads). `--position-code` (`model.builtin_position_code`): FrozenLake
+1.000 at step 500, Sokoban starts 1.000 at step 500; with `--moves 8` (the frames of `sokoban_visual`'s
+perception stage) 1.000 at step 600 without the code and at step 700 with it.
 """
 
 from __future__ import annotations
