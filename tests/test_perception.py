@@ -118,7 +118,7 @@ def test_a_build_with_a_perception_stage_records_it(tmp_path, model_cache, distr
     assert state["sft/perception_steps"] == 4 and state["sft"]["perception_levels"] == 16
 
 
-def test_the_perception_stage_ends_once_the_model_reads_the_frames(tmp_path, model_cache, distributed, monkeypatch):
+def test_the_perception_stage_ends_once_the_model_reads_the_frames_and_warns_if_it_never_does(tmp_path, model_cache, distributed, monkeypatch):
     # held-out accuracy at the target ends the stage at the first check, not at sft.perception_steps
     monkeypatch.setattr(sft, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": sft.PERCEPTION_TARGET,
                                                                 "sft/val_nll": 0.1})
@@ -127,8 +127,18 @@ def test_the_perception_stage_ends_once_the_model_reads_the_frames(tmp_path, mod
     from vagen.models import load_policy
 
     model, processor = load_policy(resolve_model_path(cfg.model.path, model_cache))
-    stats = sft.perception_stage(model, ChatEncoder(processor), cfg, distributed, log=lambda _: None)
+    said = []
+    stats = sft.perception_stage(model, ChatEncoder(processor), cfg, distributed, log=said.append)
     assert stats["sft/perception_steps"] == 3 and stats["sft/perception_accuracy"] == sft.PERCEPTION_TARGET
+    assert not any(line.startswith("warning") for line in said)
+    # a stage that never beats the most common answer says so
+    monkeypatch.setattr(sft, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": 0.3, "sft/val_nll": 0.2})
+    said.clear()
+    stats = sft.perception_stage(model, ChatEncoder(processor), cfg, distributed, log=said.append)
+    assert stats["sft/perception_steps"] == 30
+    warnings = [line for line in said if line.startswith("warning")]
+    assert len(warnings) == 1 and "has not learned to read the frames" in warnings[0]
+    assert "sft.perception_steps" in warnings[0]
 
 
 def test_probes_can_be_limited_to_level_starts_and_chosen_questions():

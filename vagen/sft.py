@@ -259,6 +259,12 @@ def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
     engine = sft_engine(model, stage, dist)
     stats = train_sft(engine, train, val, stage, encoder.pad_id, dist.device, log=lambda s: log(f"perception: {s}"),
                       target_accuracy=PERCEPTION_TARGET)
+    accuracy = stats["sft/val_answer_accuracy"]
+    if accuracy < majority + MIN_FRAME_GAIN:
+        log(f"warning: the perception stage ended at held-out accuracy {accuracy:.3f} after {stats['sft/step']} steps, "
+            f"no better than always giving the most common answer ({majority:.3f}): the model has not learned to "
+            f"read the frames, and the demonstrations will likely be learned blind. Raise sft.perception_steps, "
+            f"or build again with another model.builtin_seed")
     return {"sft/perception_accuracy": stats["sft/val_answer_accuracy"], "sft/perception_steps": stats["sft/step"],
             "sft/perception_majority": majority, "sft/perception_seconds": time.perf_counter() - t0}
 
