@@ -1,12 +1,14 @@
 """Perception questions for the first stage of a warm start: one-turn questions about where things
-are in the env's own frames ("Which row is the box in?"), answered with one digit.
+are in the env's own frames ("Which row is the player in?"), answered with one digit.
 
 A tiny model fine-tuned on demonstrations can learn the answer format and the common moves from the
 text alone and never start reading the frame (the build's frame check says so). These questions
 have no answer without the image, so a few hundred steps on them first make the model look; the
-demonstrations are learned afterwards from that checkpoint (`sft.perception_steps`).
+demonstrations are learned afterwards from that checkpoint (`sft.perception_steps`, see
+`vagen.sft.perception_stage`).
 
-    probes = perception_probes(cfg.env, 2000, cfg.rollout.max_turns, exclude=eval_level_keys(cfg.env, 1024))
+    probes = perception_probes(cfg.env, 2000, max_moves=8, exclude=eval_level_keys(cfg.env, 1024),
+                               objects=("player",), axes=("row",))
     sample = question_sample(encoder, model, probes[0].frame, probes[0].question, probes[0].answer)
 
 Frames are the ones an episode shows: a level's start after a random number of the teacher's moves.
@@ -31,6 +33,8 @@ AXES = {"row": "Rows are numbered 0 to {last} from the top.", "column": "Columns
 
 @dataclass
 class Probe:
+    """One question: the level's seed, the frame shown, the question text and the answer digit."""
+
     seed: int
     frame: Image.Image
     question: str
@@ -51,6 +55,7 @@ def single_cell_objects(state: dict, keys=tuple(OBJECTS)) -> dict[str, tuple[int
 
 
 def question(name: str, axis: str, size: int) -> str:
+    """The question text for `name`'s `axis` (row | column) on a grid `size` cells along it, image last."""
     return f"Which {axis} is {name} in? {AXES[axis].format(last=size - 1)}\n<image>"
 
 
