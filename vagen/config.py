@@ -41,7 +41,8 @@ class ModelConfig:
     builtin_seed: int = _f(0, "initialisation seed of a built-in model; not train.seed, so that training "
                               "seeds share one base and one warm start")
     builtin_position_code: bool = _f(False, "built-in VLM: add a fixed code of its cell's row and column to each "
-                                            "image token (vagen.models.image_position_code)")
+                                            "image token (vagen.models.image_position_code); other "
+                                            "checkpoints ignore it")
     min_pixels: int | None = _f(None, "image processor min_pixels; null = the checkpoint's own")
     max_pixels: int | None = _f(None, "image processor max_pixels; null = the checkpoint's own")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
