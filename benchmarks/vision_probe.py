@@ -40,22 +40,22 @@ from vagen.trajectory import collate  # noqa: E402
 
 
 def probe_frame(env_name: str, seed: int, rng: np.random.Generator):
-    """A frame and the player's row: FrozenLake 4x4 with the player on a random cell, or the start of
+    """A frame, the player's row and the number of rows: FrozenLake 4x4 with the player on a random cell, or the start of
     a Sokoban 6x6 level (one box, 28-px cells as in `sokoban_visual`)."""
     if env_name == "sokoban":
         env = envs_visual.make("sokoban", dim_room=[6, 6], num_boxes=1, cell_size=28)
         env.reset(seed=seed)
-        return env.render_image(), env.player // env.width, 5
+        return env.render_image(), env.player // env.width, env.level.height
     env = envs_visual.make("frozenlake")
     env.reset(seed=seed)
     env.player = (int(rng.integers(4)), int(rng.integers(4)))
-    return env.render_image(), env.player[0], 3
+    return env.render_image(), env.player[0], 4
 
 
 def probe_sample(env_name: str, seed: int, rng: np.random.Generator, encoder: ChatEncoder, model):
     """A one-turn training sample asking for the player's row, and that row."""
-    frame, row, last = probe_frame(env_name, seed, rng)
-    return question_sample(encoder, model, frame, question("the player", "row", last + 1), row, seed), row
+    frame, row, rows = probe_frame(env_name, seed, rng)
+    return question_sample(encoder, model, frame, question("the player", "row", rows), row, seed), row
 
 
 @torch.no_grad()

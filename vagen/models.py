@@ -294,10 +294,12 @@ IMAGE_POSITION_CODE = "vagen_image_position_code"
 POSITION_FREQUENCIES = 8
 
 
+@functools.lru_cache(maxsize=32)
 def image_position_code(rows: int, cols: int, dim: int, frequencies: int = POSITION_FREQUENCIES) -> torch.Tensor:
     """[rows * cols, dim] codes of the cells of a rows x cols token grid in raster order: the sine and
     cosine of the row index, then of the column index, at angular steps pi/2, pi/4, ... (periods 4,
-    8, ...), in the first 4 * `frequencies` features; the other features are 0."""
+    8, ...), in the first 4 * `frequencies` features; the other features are 0. Computed once per grid
+    (every forward of the vision tower asks for it); the result is shared, so never modify it."""
     if dim < 4 * frequencies:
         raise ValueError(f"an image position code of {frequencies} frequencies needs {4 * frequencies} features, "
                          f"but image tokens have {dim}")
