@@ -11,8 +11,12 @@ measured in one process on the same model and batches.
   both play the same episodes token for token.
 - update: `vagen.update.ppo_update` (actor only, GRPO advantages) in a real DeepSpeed engine, tokens
   per second, against a bare loop of forward + backward + AdamW step over the same micro-batches.
+- vision tower: forward + backward over the update's frames, frames per second, with the patch
+  embedding as one matrix product (`vagen.models.matmul_patch_embedding`, what `load_policy` gives)
+  against transformers' Conv3d.
 
-Targets: rollout >= 80% of bare generate (both ways), update >= 70% of bare forward+backward.
+Targets: rollout >= 80% of bare generate (both ways), update >= 70% of bare forward+backward, vision
+tower at least as fast as with the convolution.
 """
 
 from __future__ import annotations
@@ -104,6 +108,30 @@ def measure_bare_update(model, samples, cfg, encoder):
     return sum(s.length for s in samples) * cfg.train.ppo_epochs, elapsed
 
 
+def measure_vision(model, samples, encoder, repeats: int = 3):
+    """Frames per second of the vision tower's forward + backward over the samples' frames, with our
+    patch embedding and with transformers' own (alternated, best of two each)."""
+    visual = model.model.visual
+    embed = visual.patch_embed
+    ours_class, conv_class = type(embed), type(embed).__bases__[1]  # (_MatmulPatchEmbed, upstream)
+    batch = collate(samples, encoder.pad_id)
+    pixels, grids = batch["pixel_values"], batch["image_grid_thw"]
+    best = {ours_class: float("inf"), conv_class: float("inf")}
+    try:
+        for _ in range(2):
+            for cls in best:
+                embed.__class__ = cls
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    visual(pixels, grid_thw=grids).pooler_output.square().sum().backward()
+                best[cls] = min(best[cls], time.perf_counter() - t0)
+    finally:
+        embed.__class__ = ours_class
+        model.zero_grad(set_to_none=True)
+    frames = grids.shape[0] * repeats
+    return frames / best[ours_class], frames / best[conv_class]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="sokoban_visual")
@@ -140,10 +168,13 @@ def main():
     upd_tokens, upd_time = measure_update(engine, samples, cfg, encoder, dist.device)
     bare_upd_tokens, bare_upd_time = measure_bare_update(bare_model, samples, cfg, encoder)
 
+    vision_ours, vision_conv = measure_vision(copy.deepcopy(bare_model), samples, encoder)
+
     rows = [
         ("rollout, cache across turns", ours_tokens / ours_time, bare_tokens / bare_time, 0.80),
         ("rollout, whole history", whole_tokens / whole_time, bare_tokens / bare_time, 0.80),
         ("update, trajectory tokens/s", upd_tokens / upd_time, bare_upd_tokens / bare_upd_time, 0.70),
+        ("vision tower, frames/s", vision_ours, vision_conv, 1.00),
     ]
     print(f"config {args.config}: {args.groups}x{args.group_size} episodes, {len(captured)} generation batches, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}; the two rollouts played "

@@ -9,6 +9,7 @@ from vagen.models import (
     image_position_code,
     is_vision_checkpoint,
     load_policy,
+    matmul_patch_embedding,
     resolve_model_path,
 )
 
@@ -130,3 +131,40 @@ def test_image_position_code_is_sines_of_row_and_column():
     assert len({tuple(row.tolist()) for row in image_position_code(6, 6, 32)}) == 36  # every cell differs
     with pytest.raises(ValueError, match="needs 32 features, but image tokens have 16"):
         image_position_code(2, 2, 16)
+
+
+def test_patch_embedding_is_the_convolution_as_one_matrix_product(tiny_vl):
+    import copy
+    import types
+
+    _, model, _ = tiny_vl
+    assert "model.visual.patch_embed.proj.weight" in model.state_dict()  # checkpoints are unchanged
+    embed = copy.deepcopy(model.model.visual.patch_embed)  # a copy (an engine's, a critic's) keeps the product
+    assert type(embed).__name__ == "MatmulQwen2_5_VisionPatchEmbed"
+    conv = embed.proj
+    torch.manual_seed(0)
+    pixels = torch.randn(40, conv.weight[0].numel())
+    weight = conv.weight.detach().clone().requires_grad_(True)
+    expected = torch.nn.functional.conv3d(pixels.view(-1, *conv.weight.shape[1:]), weight, stride=conv.stride)
+    expected = expected.view(40, -1)
+    got = embed(pixels)
+    assert got.shape == (40, conv.out_channels)
+    assert torch.allclose(got, expected, atol=1e-5)
+    upstream = torch.randn(got.shape)
+    (got * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    assert torch.allclose(conv.weight.grad, weight.grad, atol=1e-4)
+    assert matmul_patch_embedding(types.SimpleNamespace(model=types.SimpleNamespace(visual=types.SimpleNamespace(
+        patch_embed=embed))))  # installing twice is harmless
+
+
+def test_matmul_patch_embedding_leaves_other_modules_alone(tiny_text):
+    import types
+
+    _, text_model, _ = tiny_text
+    assert not matmul_patch_embedding(text_model)  # no vision tower
+    embed = torch.nn.Module()
+    embed.proj = torch.nn.Conv3d(3, 8, kernel_size=3, stride=1, padding=1)  # overlapping windows: a real convolution
+    model = types.SimpleNamespace(model=types.SimpleNamespace(visual=types.SimpleNamespace(patch_embed=embed)))
+    assert not matmul_patch_embedding(model)
+    assert type(embed) is torch.nn.Module
