@@ -1,12 +1,20 @@
-"""Where a FrozenLake agent fails: plays a checkpoint on distinct held-out levels and replays every
-executed action against the level's map.
+"""Where a grid agent fails: plays a checkpoint on distinct held-out levels and replays every
+executed action against the level.
 
     python benchmarks/failures.py CHECKPOINT [--config frozenlake_visual] [--n 256] [--sampled] [key=value ...]
+    python benchmarks/failures.py CHECKPOINT --config sokoban_visual
+    python benchmarks/failures.py teacher --config sokoban_visual      # or solver: the scripted policy
 
-Prints how episodes end (goal, hole, out of turns) next to the teacher's outcome on the same level,
-and per position of an action within its turn (first, second, ... of the answer) how many actions
-stepped into a hole, matched the teacher's move, or lay on a shortest path. A policy that reads the
-cell next to it but not the cells its later moves enter shows it as holes at positions 2 and 3.
+Prints how episodes end next to the teacher's outcome on the same level, and per position of an
+action within its turn (first, second, ... of the answer) what the actions did.
+- FrozenLake: episodes end at the goal, in a hole or out of turns; actions step into a hole, match
+  the teacher's move, or lie on a shortest path. A policy that reads the cell next to it but not the
+  cells its later moves enter shows it as holes at positions 2 and 3.
+- Sokoban: episodes end solved, deadlocked (a push left the level unsolvable) or out of turns with
+  the level still solvable; actions change nothing (a wall, or a box that cannot move), match the
+  teacher's move, lie on an optimal plan (the solver's remaining length drops by one), or deadlock.
+The teacher's move is its choice in that state; where it moves at random the draw comes from a fixed
+generator, so even the teacher's own episodes match it less than always.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def replay(cfg, episode, counts: collections.Counter) -> str:
+def replay_frozenlake(cfg, episode, counts: collections.Counter) -> str:
     """Count `episode`'s executed actions by position in their turn; returns how it ended."""
     import numpy as np
 
@@ -52,9 +60,64 @@ def replay(cfg, episode, counts: collections.Counter) -> str:
     return "goal" if episode.success else "out of turns"
 
 
+def replay_sokoban(cfg, episode, counts: collections.Counter) -> str:
+    """Count `episode`'s executed actions by position in their turn; returns how it ended."""
+    import envs_visual.sokoban as sokoban
+    from vagen.rollout import make_env
+
+    env = make_env(cfg.env, {"render_mode": "text", "prompt_format": "no_think"})
+    env.reset(seed=episode.seed)
+    remaining = len(env.solve())
+    for turn in episode.turns:
+        for index, action in enumerate(turn.info.get("actions", [])):
+            before = env.state()
+            counts[index, "actions"] += 1
+            counts[index, "teacher"] += action == sokoban.teacher_action(before)
+            _, _, terminated, truncated, info = env.step(f"<answer>{action}</answer>")
+            counts[index, "no effect"] += env.state() == before
+            plan = env.solve()
+            counts[index, "optimal"] += plan is not None and len(plan) == remaining - 1
+            if plan is None:
+                counts[index, "deadlock"] += 1
+                return "deadlocked"
+            remaining = len(plan)
+            if terminated:
+                return "solved" if info["success"] else "out of turns"
+            if truncated:
+                return "out of turns"
+    return "solved" if episode.success else "out of turns"
+
+
+def scripted_episodes(cfg, seeds: list[int], policy: str) -> list:
+    """The teacher's or the solver's episodes on `seeds`, with what `replay_*` reads of an episode."""
+    from types import SimpleNamespace
+
+    from vagen.demos import play_demo
+    from vagen.rollout import make_env
+
+    env = make_env(cfg.env, {"render_mode": "text"})
+    episodes = []
+    for seed in seeds:
+        demo = play_demo(env, seed, policy, cfg.rollout.max_turns)
+        env.reset(seed=seed)
+        turns = [SimpleNamespace(info=env.step(response)[-1]) for response in demo.responses]
+        episodes.append(SimpleNamespace(seed=seed, success=demo.success, turns=turns))
+    return episodes
+
+
+# env: (replay, how episodes end, (count key, column title) per action)
+REPLAYS = {
+    "frozenlake": (replay_frozenlake, ("goal", "hole", "out of turns"),
+                   (("hole", "into a hole"), ("teacher", "teacher's move"), ("shortest", "on a shortest path"))),
+    "sokoban": (replay_sokoban, ("solved", "deadlocked", "out of turns"),
+                (("no effect", "no effect"), ("teacher", "teacher's move"), ("optimal", "on an optimal plan"),
+                 ("deadlock", "deadlocks"))),
+}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint")
+    parser.add_argument("checkpoint", help="a checkpoint directory, or teacher / solver for the scripted policy")
     parser.add_argument("--config", default="frozenlake_visual")
     parser.add_argument("--n", type=int, default=256, help="distinct held-out levels")
     parser.add_argument("--sampled", action="store_true", help="sample at rollout.temperature instead of greedy")
@@ -67,29 +130,35 @@ def main(argv=None) -> int:
     from vagen.rollout import ChatEncoder, make_env, rollout
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.env.name != "frozenlake":
-        raise SystemExit(f"failures.py replays FrozenLake maps; --config {args.config} plays {cfg.env.name}")
+    if cfg.env.name not in REPLAYS:
+        raise SystemExit(f"failures.py replays {' and '.join(REPLAYS)} levels; --config {args.config} plays "
+                         f"{cfg.env.name}")
+    replay, endings, columns = REPLAYS[cfg.env.name]
     seeds = distinct_eval_seeds(cfg.env, args.n)
-    model, processor = load_policy(Path(args.checkpoint), cfg.model.dtype)
-    model.eval()
-    encoder = ChatEncoder(processor)
-    episodes = []
-    for start in range(0, len(seeds), 64):
-        episodes += rollout(model, encoder, cfg, seeds[start:start + 64], 1, do_sample=args.sampled)[0]
+    if args.checkpoint in ("teacher", "solver"):
+        episodes = scripted_episodes(cfg, seeds, args.checkpoint)
+    else:
+        model, processor = load_policy(Path(args.checkpoint), cfg.model.dtype)
+        model.eval()
+        encoder = ChatEncoder(processor)
+        episodes = []
+        for start in range(0, len(seeds), 64):
+            episodes += rollout(model, encoder, cfg, seeds[start:start + 64], 1, do_sample=args.sampled)[0]
     teacher_env = make_env(cfg.env, {"render_mode": "text"})
     counts, ends = collections.Counter(), collections.Counter()
     for episode in episodes:
         teacher = play_demo(teacher_env, episode.seed, "teacher", cfg.rollout.max_turns).success
         ends["teacher " + ("solves" if teacher else "fails"), replay(cfg, episode, counts)] += 1
     print(f"{len(episodes)} levels, success {sum(e.success for e in episodes) / len(episodes):.3f}\n")
-    print("| level | goal | hole | out of turns |\n| --- | --- | --- | --- |")
+    print("| level | " + " | ".join(endings) + " |\n|" + " --- |" * (len(endings) + 1))
     for side in ("teacher solves", "teacher fails"):
-        print(f"| {side} | " + " | ".join(str(ends[side, end]) for end in ("goal", "hole", "out of turns")) + " |")
-    print("\n| action in turn | actions | into a hole | teacher's move | on a shortest path |\n| --- | --- | --- | --- | --- |")
+        print(f"| {side} | " + " | ".join(str(ends[side, end]) for end in endings) + " |")
+    print("\n| action in turn | actions | " + " | ".join(title for _, title in columns) + " |\n|"
+          + " --- |" * (len(columns) + 2))
     for index in sorted({i for i, _ in counts}):
         n = counts[index, "actions"]
-        print(f"| {index + 1} | {n} | {counts[index, 'hole']} ({counts[index, 'hole'] / n:.1%}) | "
-              f"{counts[index, 'teacher'] / n:.1%} | {counts[index, 'shortest'] / n:.1%} |")
+        cells = [f"{counts[index, key]} ({counts[index, key] / n:.1%})" for key, _ in columns]
+        print(f"| {index + 1} | {n} | " + " | ".join(cells) + " |")
     return 0
 
 
