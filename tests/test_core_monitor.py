@@ -113,6 +113,26 @@ def test_monitor_in_group_std_drop_and_floor():
     )
 
 
+def test_monitor_format_collapse_uses_peak():
+    monitor = CollapseMonitor(format_frac=0.5)
+    assert monitor.update({"format_ok": 0.9}) == []
+    assert monitor.update({"format_ok": 0.96}) == []  # new peak
+    assert monitor.update({"format_ok": 0.48}) == []  # exactly half the peak, not below
+    assert monitor.update({"format_ok": 0.3}) == [
+        "step 3: format collapse: format_ok 0.3 < 0.5 x peak 0.96 (answers stop parsing: check that a malformed "
+        "turn pays less than any valid one, e.g. env.params.format_penalty)"
+    ]
+
+
+def test_monitor_loads_a_state_saved_before_the_format_indicator():
+    monitor = CollapseMonitor()
+    monitor.load_state_dict({"grad_norms": [1.0], "stds": [0.5], "entropy_peak": 2.0, "step": 7})
+    assert monitor.update({"format_ok": 0.1}) == []  # no peak yet: the first value sets it
+    assert monitor.update({"format_ok": 0.01}) == ["step 8: format collapse: format_ok 0.01 < 0.5 x peak 0.1 "
+                                                   "(answers stop parsing: check that a malformed turn pays less "
+                                                   "than any valid one, e.g. env.params.format_penalty)"]
+
+
 def test_monitor_ignores_missing_keys_and_checks_arguments():
     monitor = CollapseMonitor()
     assert monitor.update({}) == [] and monitor.update({"actor/lr": 1e-6}) == []
@@ -131,9 +151,9 @@ def test_monitor_state_round_trips():
 
     first = CollapseMonitor(window=4, min_history=2)
     for g in (1.0, 1.1, 0.9):
-        first.update({"grad_norm": g, "entropy_mean": 2.0, "reward_std_in_group": 0.5})
+        first.update({"grad_norm": g, "entropy_mean": 2.0, "reward_std_in_group": 0.5, "format_ok": 1.0})
     second = CollapseMonitor(window=4, min_history=2)
     second.load_state_dict(first.state_dict())
-    spike = {"grad_norm": 10.0, "entropy_mean": 0.1, "reward_std_in_group": 0.0}
+    spike = {"grad_norm": 10.0, "entropy_mean": 0.1, "reward_std_in_group": 0.0, "format_ok": 0.2}
     assert first.update(dict(spike)) == second.update(dict(spike))
-    assert len(second.update(dict(spike))) >= 2
+    assert len(second.update(dict(spike))) == 4  # all four indicators fire

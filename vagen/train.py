@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         stats.update(batch_indicators(scores, group_ids, samples, episodes))
         stats = reduce_metrics(stats, dist)
         watched = {"grad_norm": "actor/grad_norm", "entropy_mean": "actor/entropy_mean",
-                   "reward_std_in_group": "rollout/in_group_reward_std"}
+                   "reward_std_in_group": "rollout/in_group_reward_std", "format_ok": "rollout/format_ok"}
         warnings = monitor.update({k: stats[v] for k, v in watched.items() if v in stats})
         stats["timing/iteration"] = time.perf_counter() - t_iter
         stats.update(run.maybe_evaluate(it, cfg, actor_engine.module, encoder))

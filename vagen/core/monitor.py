@@ -97,13 +97,16 @@ def collapse_indicators(
 class CollapseMonitor:
     """Turns per-step metrics into human-readable collapse warnings.
 
-    `update(metrics)` reads (each optional) "grad_norm", "entropy_mean" and
-    "reward_std_in_group" and returns a list of warning strings (empty when all is well):
+    `update(metrics)` reads (each optional) "grad_norm", "entropy_mean", "reward_std_in_group"
+    and "format_ok" and returns a list of warning strings (empty when all is well):
       - gradient-norm spike: grad_norm > k x the median of the previous `window` values
         (needs `min_history` earlier values);
       - entropy collapse: entropy_mean < entropy_frac x the highest entropy seen so far;
       - in-group std drop: reward_std_in_group <= std_floor, or < std_frac x the median of
-        the previous `window` values (needs `min_history` earlier values).
+        the previous `window` values (needs `min_history` earlier values);
+      - format collapse: format_ok (the share of turns whose answer parses) < format_frac x the
+        highest seen so far. Where a malformed turn costs less than a valid one (say, no move and
+        no penalty against a step cost per move) the policy learns to stop answering.
     """
 
     def __init__(
@@ -114,12 +117,15 @@ class CollapseMonitor:
         std_frac: float = 0.25,
         std_floor: float = 1e-6,
         min_history: int = 3,
+        format_frac: float = 0.5,
     ):
         if window < 1 or k <= 0:
             raise ValueError(f"CollapseMonitor: need window >= 1 and k > 0, got window={window!r}, k={k!r}")
         self.window, self.k = window, k
         self.entropy_frac, self.std_frac, self.std_floor = entropy_frac, std_frac, std_floor
         self.min_history = min_history
+        self.format_frac = format_frac
+        self.format_peak: float | None = None
         self.grad_norms: deque[float] = deque(maxlen=window)
         self.stds: deque[float] = deque(maxlen=window)
         self.entropy_peak: float | None = None
@@ -128,12 +134,13 @@ class CollapseMonitor:
     def state_dict(self) -> dict:
         """Plain-data history, for checkpoints: a resumed run warns exactly as an uninterrupted one."""
         return {"grad_norms": list(self.grad_norms), "stds": list(self.stds), "entropy_peak": self.entropy_peak,
-                "step": self.step}
+                "step": self.step, "format_peak": self.format_peak}
 
     def load_state_dict(self, state: dict) -> None:
         self.grad_norms = deque(state["grad_norms"], maxlen=self.window)
         self.stds = deque(state["stds"], maxlen=self.window)
         self.entropy_peak, self.step = state["entropy_peak"], int(state["step"])
+        self.format_peak = state.get("format_peak")  # absent from checkpoints older than the indicator
 
     def update(self, metrics: dict) -> list[str]:
         """Check one step's metrics against the history, then add them to it."""
@@ -173,4 +180,13 @@ class CollapseMonitor:
                         f"running median {median:.4g} (last {len(self.stds)} steps)"
                     )
             self.stds.append(s)
+        if "format_ok" in metrics:
+            f = float(metrics["format_ok"])
+            if self.format_peak is not None and f < self.format_frac * self.format_peak:
+                warnings.append(
+                    f"step {step}: format collapse: format_ok {f:.4g} < {self.format_frac:g} x peak "
+                    f"{self.format_peak:.4g} (answers stop parsing: check that a malformed turn pays less than "
+                    f"any valid one, e.g. env.params.format_penalty)"
+                )
+            self.format_peak = f if self.format_peak is None else max(self.format_peak, f)
         return warnings
