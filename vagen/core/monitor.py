@@ -94,6 +94,14 @@ def collapse_indicators(
     }
 
 
+def _below_peak(step: int, what: str, key: str, value: float, frac: float, peak: float | None,
+                note: str = "") -> list[str]:
+    """[the warning] when `value` fell below `frac` x the highest value seen before, else []."""
+    if peak is None or value >= frac * peak:
+        return []
+    return [f"step {step}: {what}: {key} {value:.4g} < {frac:g} x peak {peak:.4g}{note}"]
+
+
 class CollapseMonitor:
     """Turns per-step metrics into human-readable collapse warnings.
 
@@ -159,11 +167,7 @@ class CollapseMonitor:
             self.grad_norms.append(g)
         if "entropy_mean" in metrics:
             h = float(metrics["entropy_mean"])
-            if self.entropy_peak is not None and h < self.entropy_frac * self.entropy_peak:
-                warnings.append(
-                    f"step {step}: entropy collapse: entropy_mean {h:.4g} < {self.entropy_frac:g} x peak "
-                    f"{self.entropy_peak:.4g}"
-                )
+            warnings += _below_peak(step, "entropy collapse", "entropy_mean", h, self.entropy_frac, self.entropy_peak)
             self.entropy_peak = h if self.entropy_peak is None else max(self.entropy_peak, h)
         if "reward_std_in_group" in metrics:
             s = float(metrics["reward_std_in_group"])
@@ -182,11 +186,8 @@ class CollapseMonitor:
             self.stds.append(s)
         if "format_ok" in metrics:
             f = float(metrics["format_ok"])
-            if self.format_peak is not None and f < self.format_frac * self.format_peak:
-                warnings.append(
-                    f"step {step}: format collapse: format_ok {f:.4g} < {self.format_frac:g} x peak "
-                    f"{self.format_peak:.4g} (answers stop parsing: check that a malformed turn pays less than "
-                    f"any valid one, e.g. env.params.format_penalty)"
-                )
+            warnings += _below_peak(step, "format collapse", "format_ok", f, self.format_frac, self.format_peak,
+                                    " (answers stop parsing: check that a malformed turn pays less than any valid "
+                                    "one, e.g. env.params.format_penalty)")
             self.format_peak = f if self.format_peak is None else max(self.format_peak, f)
         return warnings
