@@ -119,8 +119,7 @@ def test_monitor_format_collapse_uses_peak():
     assert monitor.update({"format_ok": 0.96}) == []  # new peak
     assert monitor.update({"format_ok": 0.48}) == []  # exactly half the peak, not below
     assert monitor.update({"format_ok": 0.3}) == [
-        "step 3: format collapse: format_ok 0.3 < 0.5 x peak 0.96 (answers stop parsing: check that a malformed "
-        "turn pays less than any valid one, e.g. env.params.format_penalty)"
+        "step 3: format collapse: format_ok 0.3 < 0.5 x peak 0.96 (answers stop parsing)"
     ]
 
 
@@ -128,9 +127,9 @@ def test_monitor_loads_a_state_saved_before_the_format_indicator():
     monitor = CollapseMonitor()
     monitor.load_state_dict({"grad_norms": [1.0], "stds": [0.5], "entropy_peak": 2.0, "step": 7})
     assert monitor.update({"format_ok": 0.1}) == []  # no peak yet: the first value sets it
-    assert monitor.update({"format_ok": 0.01}) == ["step 8: format collapse: format_ok 0.01 < 0.5 x peak 0.1 "
-                                                   "(answers stop parsing: check that a malformed turn pays less "
-                                                   "than any valid one, e.g. env.params.format_penalty)"]
+    assert monitor.update({"format_ok": 0.01}) == [
+        "step 8: format collapse: format_ok 0.01 < 0.5 x peak 0.1 (answers stop parsing)"
+    ]
 
 
 def test_monitor_ignores_missing_keys_and_checks_arguments():

@@ -113,8 +113,8 @@ class CollapseMonitor:
       - in-group std drop: reward_std_in_group <= std_floor, or < std_frac x the median of
         the previous `window` values (needs `min_history` earlier values);
       - format collapse: format_ok (the share of turns whose answer parses) < format_frac x the
-        highest seen so far. Where a malformed turn costs less than a valid one (say, no move and
-        no penalty against a step cost per move) the policy learns to stop answering.
+        highest seen so far: the policy has unlearned the answer format (GRPO on Sokoban did, with
+        and without a penalty for malformed turns; README, "Learning on a laptop", run K).
     """
 
     def __init__(
@@ -187,7 +187,6 @@ class CollapseMonitor:
         if "format_ok" in metrics:
             f = float(metrics["format_ok"])
             warnings += _below_peak(step, "format collapse", "format_ok", f, self.format_frac, self.format_peak,
-                                    " (answers stop parsing: check that a malformed turn pays less than any valid "
-                                    "one, e.g. env.params.format_penalty)")
+                                    " (answers stop parsing)")
             self.format_peak = f if self.format_peak is None else max(self.format_peak, f)
         return warnings
