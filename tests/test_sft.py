@@ -32,6 +32,33 @@ def test_sft_on_demonstrations_teaches_the_format(model_cache, distributed):
     assert after["n"] == 16
 
 
+def test_sampled_held_out_evaluation_is_seeded_and_leaves_the_callers_random_state(model_cache, monkeypatch):
+    import vagen.rollout as rollout_module
+
+    played = []
+    real = rollout_module.rollout
+
+    def recording(*args, **kwargs):
+        episodes, stats = real(*args, **kwargs)
+        played.append([ep.input_ids for ep in episodes])
+        return episodes, stats
+
+    monkeypatch.setattr(rollout_module, "rollout", recording)
+    cfg = load_config("frozenlake_text", ["rollout.max_turns=2", "rollout.max_new_tokens=16"])
+    model, processor = load_policy(resolve_model_path(cfg.model.path, model_cache))
+    encoder = ChatEncoder(processor)
+    seeds = distinct_eval_seeds(cfg.env, 8)
+    torch.manual_seed(123)
+    sft.held_out_metrics(model, encoder, cfg, seeds, do_sample=True)
+    after_call = torch.rand(3)
+    torch.manual_seed(456)  # another state before the call: the same episodes
+    sft.held_out_metrics(model, encoder, cfg, seeds, do_sample=True)
+    sft.held_out_metrics(model, encoder, cfg, seeds, do_sample=True, sample_seed=1)
+    assert played[0] == played[1] != played[2]
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), after_call)  # the caller's stream goes on as if nothing had drawn
+
+
 def test_warm_start_none_is_the_base_checkpoint(tmp_path, distributed):
     cfg = load_config("frozenlake_text", ["model.warm_start=none"])
     assert sft.warm_start_checkpoint(cfg, tmp_path, distributed) == tmp_path

@@ -271,16 +271,21 @@ def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
 
 # -- held-out evaluation ----------------------------------------------------------------------------
 
-def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, batch: int = 64) -> dict[str, float]:
+def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, batch: int = 64,
+                     sample_seed: int = 0) -> dict[str, float]:
     """Success, return and format rate of `model` on `seeds` (one episode each), greedy or sampled
-    with `rollout.temperature`; `successes` counts for `wilson_interval`."""
+    with `rollout.temperature`; `successes` counts for `wilson_interval`. Sampling draws from
+    `sample_seed`, so a checkpoint scores the same whatever ran before in the process, and the
+    caller's random state is left as it was."""
     from vagen.rollout import rollout, rollout_metrics
 
     model.eval()
     episodes = []
-    for start in range(0, len(seeds), batch):
-        played, _ = rollout(model, encoder, cfg, seeds[start:start + batch], 1, do_sample=do_sample)
-        episodes += played
+    with torch.random.fork_rng():
+        torch.manual_seed(sample_seed)
+        for start in range(0, len(seeds), batch):
+            played, _ = rollout(model, encoder, cfg, seeds[start:start + batch], 1, do_sample=do_sample)
+            episodes += played
     stats = rollout_metrics(episodes)
     return {"success": stats["rollout/success"], "return": stats["rollout/reward_mean"],
             "format_ok": stats["rollout/format_ok"], "successes": sum(ep.success for ep in episodes),
