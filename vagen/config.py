@@ -140,6 +140,9 @@ class SFTConfig:
     val_demos: int = _f(128, "held-out demonstrations for the convergence check")
     teacher_styles: bool = _f(False, "draw the teacher's style per episode (FrozenLake: rows or columns first) "
                                      "and state it in the reasoning; false: its default style, unstated")
+    reasoning: str = _f("near", "what a demonstration's <think> says: near (where the goal or box is, what is next to "
+                                "the player, the first move) | path (FrozenLake: a clause per move of the answer, "
+                                "from the cell it starts on: 'Row 0, column 1: hole below, so right.')")
     perception_steps: int = _f(0, "steps at most of a first stage on questions about the env's frames ('Which row "
                                   "is the box in?', vagen.perception) before the demonstrations; 0 = none")
     perception_levels: int = _f(2000, "levels (one question each) for the perception stage")
@@ -189,6 +192,7 @@ CHOICES = {
     ("model", "warm_start"): ("none", "teacher", "solver"),
     ("env", "render_mode"): ("vision", "text"),
     ("sft", "lr_schedule"): ("constant", "cosine"),
+    ("sft", "reasoning"): ("near", "path"),
     ("env", "prompt_format"): ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling"),
     ("rollout", "backend"): ("hf",),
     ("algo", "adv_estimator"): ("turn_gae", "gae", "grpo"),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from envs_visual.base import format_response
+from envs_visual.grid import DIRECTIONS
 from vagen.rollout import ChatEncoder, Episode, Turn, eval_seeds, make_env
 
 POLICIES = ("teacher", "solver", "random")  # random: a baseline, not for warm starts
@@ -151,17 +152,49 @@ def _pushes(state: dict, action: str) -> bool:
     return (r + dr, c + dc) in set(map(tuple, state["boxes"]))
 
 
+_BESIDE = {"Up": "above", "Down": "below", "Left": "left", "Right": "right"}
+
+
+def frozenlake_path(states: list[dict], actions: list[str], style: str | None = None) -> dict[str, str]:
+    """One clause per move of the turn, read along the path: the cell the move starts from, the
+    moves toward the goal that the teacher (in `style`'s order) had to reject there because they
+    enter a hole, and the move. `states[i]` is the state before `actions[i]`:
+    `Goal: row 3, column 3. Row 0, column 0: hole below, so right. Row 0, column 1: down.`"""
+    order = ("Right", "Left", "Down", "Up") if style == "columns" else ("Down", "Up", "Right", "Left")
+    gr, gc = states[0]["goal"]
+    clauses = [f"Goal: row {gr}, column {gc}."]
+    for state, action in zip(states, actions):
+        (r, c), holes = state["player"], {tuple(h) for h in state["holes"]}
+        cell = {name: (r + dr, c + dc) for name, (dr, dc) in DIRECTIONS.items()}
+        closer = [name for name in order
+                  if abs(cell[name][0] - gr) + abs(cell[name][1] - gc) < abs(r - gr) + abs(c - gc)]
+        considered = closer[: closer.index(action)] if action in closer else closer  # all of them before a fallback
+        rejected = [_BESIDE[name] for name in considered if cell[name] in holes]
+        why = f"{'holes' if len(rejected) > 1 else 'hole'} {' and '.join(rejected)}, so " if rejected else ""
+        clauses.append(f"Row {r}, column {c}: {why}{action.lower()}.")
+    return {"observation": clauses[1], "reasoning": " ".join(clauses)}
+
+
 REASONING = {"frozenlake": frozenlake_reasoning, "sokoban": sokoban_reasoning}
+PATH_REASONING = {"frozenlake": frozenlake_path}
+REASONING_KINDS = ("near", "path")
 
 
-def reasoning(env_name: str, state: dict, actions: list[str], rng: np.random.Generator,
-              style: str | None = None) -> dict[str, str]:
-    """Fields of the <think> block for `actions` taken in `state` of grid env `env_name` by a teacher
-    of `style` (None: no style, e.g. the solver)."""
-    if env_name not in REASONING:
-        raise ValueError(f"no demonstrations for env {env_name!r}: reasoning is written for "
-                         f"{', '.join(REASONING)}; use one of them or add a <name>_reasoning to vagen/demos.py")
-    return REASONING[env_name](state, actions, rng, style)
+def reasoning(env_name: str, states: list[dict], actions: list[str], rng: np.random.Generator,
+              style: str | None = None, kind: str = "near") -> dict[str, str]:
+    """Fields of the <think> block for `actions` taken by a teacher of `style` (None: no style, e.g.
+    the solver) in grid env `env_name`, `states[i]` being the state before `actions[i]`. `kind`:
+    near (where the goal is from the turn's first cell, what is next to it, the first move) or path
+    (a clause per move, from the cell it starts on)."""
+    table = PATH_REASONING if kind == "path" else REASONING
+    if kind not in REASONING_KINDS:
+        raise ValueError(f"unknown demonstration reasoning {kind!r}; choices: {', '.join(REASONING_KINDS)}")
+    if env_name not in table:
+        raise ValueError(f"no {kind} reasoning for env {env_name!r}: it is written for {', '.join(table)}; use "
+                         f"one of them, another sft.reasoning, or add a function for it to vagen/demos.py")
+    if kind == "path":
+        return table[env_name](states, actions, style)
+    return table[env_name](states[0], actions, rng, style)
 
 
 def _prediction(env_name: str, after: dict, success: bool) -> str:
@@ -186,9 +219,10 @@ def teacher_styles(env) -> tuple:
     return getattr(importlib.import_module(type(env).__module__), "TEACHER_STYLES", (None,))
 
 
-def _plan(env, policy: str, rng: np.random.Generator, style: str | None = None) -> tuple[list[str], dict, bool]:
+def _plan(env, policy: str, rng: np.random.Generator,
+          style: str | None = None) -> tuple[list[str], list[dict], dict, bool]:
     """Up to `max_actions_per_turn` actions from the env's current state, simulated on a shadow copy;
-    returns (actions, state after them, success after them)."""
+    returns (actions, the state before each of them, state after them, success after them)."""
     sim = _shadow(env)
     if policy == "solver":
         # no path (e.g. a slip into a dead end): one action keeps the response well-formed
@@ -199,7 +233,7 @@ def _plan(env, policy: str, rng: np.random.Generator, style: str | None = None) 
     else:
         teach = importlib.import_module(type(env).__module__).teacher_action
         teacher = teach if style is None else functools.partial(teach, style=style)
-    actions, success = [], False
+    actions, states, success = [], [], False
     for i in range(env.max_actions_per_turn):
         if policy != "teacher":
             if i == len(wanted):
@@ -208,18 +242,20 @@ def _plan(env, policy: str, rng: np.random.Generator, style: str | None = None) 
         else:
             action = teacher(sim.state(), rng)
         actions.append(action)
+        states.append(sim.state())
         _, _, terminated, truncated, info = sim.step(f"<answer>{action}</answer>")
         success = bool(info["success"])
         if terminated or truncated:
             break
-    return actions, sim.state(), success
+    return actions, states, sim.state(), success
 
 
 def play_demo(env, seed: int, policy: str, max_turns: int, style: str | None = None,
-              draw_style: bool = False) -> Demo:
+              draw_style: bool = False, kind: str = "near") -> Demo:
     """Play one episode of `policy` (teacher | solver | random) on `env` from `seed`. A teacher with
     styles (`teacher_styles`) plays the given `style`, or with `draw_style` one drawn from the seed
-    for the whole episode, and then says which in its reasoning; else its default style, unsaid."""
+    for the whole episode, and then says which in its reasoning; else its default style, unsaid.
+    `kind`: what the reasoning says (`reasoning`)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown demonstration policy {policy!r}; choices: {', '.join(POLICIES)}")
     env.reset(seed=seed)
@@ -231,9 +267,8 @@ def play_demo(env, seed: int, policy: str, max_turns: int, style: str | None = N
         styles = teacher_styles(env)
         style = styles[int(np.random.default_rng([seed, 11]).integers(len(styles)))]
     for _ in range(max_turns):
-        state = env.state()
-        actions, after, success = _plan(env, policy, rng, style)
-        fields = reasoning(env.name, state, actions, rng, style)
+        actions, states, after, success = _plan(env, policy, rng, style)
+        fields = reasoning(env.name, states, actions, rng, style, kind)
         fields["prediction"] = _prediction(env.name, after, success)
         response = format_response(env.prompt_format, ", ".join(actions), fields)
         _, reward, terminated, truncated, info = env.step(response)
@@ -247,7 +282,8 @@ def play_demo(env, seed: int, policy: str, max_turns: int, style: str | None = N
 
 
 def collect_demos(cfg_env, policy: str, n: int, max_turns: int, exclude: set[str] = frozenset(),
-                  start_seed: int = 0, max_draws: int | None = None, draw_style: bool = False) -> list[Demo]:
+                  start_seed: int = 0, max_draws: int | None = None, draw_style: bool = False,
+                  kind: str = "near") -> list[Demo]:
     """`n` demonstrations on distinct levels from training seeds `start_seed, start_seed + 1, …`,
     skipping levels in `exclude` (e.g. `eval_level_keys`). Played in text render mode (same levels,
     same dynamics, no frames drawn)."""
@@ -263,7 +299,7 @@ def collect_demos(cfg_env, policy: str, n: int, max_turns: int, exclude: set[str
         key = level_key(env)
         if key not in seen:
             seen.add(key)
-            demos.append(play_demo(env, seed, policy, max_turns, draw_style=draw_style))
+            demos.append(play_demo(env, seed, policy, max_turns, draw_style=draw_style, kind=kind))
         seed += 1
     return demos
 

@@ -37,7 +37,7 @@ def demo_sets(cfg, policy: str):
 
     exclude = eval_level_keys(cfg.env, cfg.sft.exclude_eval)
     demos = collect_demos(cfg.env, policy, cfg.sft.demos + cfg.sft.val_demos, cfg.rollout.max_turns, exclude,
-                          draw_style=cfg.sft.teacher_styles)
+                          draw_style=cfg.sft.teacher_styles, kind=cfg.sft.reasoning)
     return demos[: cfg.sft.demos], demos[cfg.sft.demos:]
 
 
