@@ -159,10 +159,11 @@ def frozenlake_path(states: list[dict], actions: list[str], style: str | None = 
     """One clause per move of the turn, read along the path: the cell the move starts from, the
     moves toward the goal that the teacher (in `style`'s order) had to reject there because they
     enter a hole, and the move. `states[i]` is the state before `actions[i]`:
-    `Goal: row 3, column 3. Row 0, column 0: hole below, so right. Row 0, column 1: down.`"""
+    `row 0, column 0: hole below, so right. row 0, column 1: down.` (lower case: `Ġrow` is one token
+    of the built-in tokenizer, `Row` three)."""
     order = ("Right", "Left", "Down", "Up") if style == "columns" else ("Down", "Up", "Right", "Left")
     gr, gc = states[0]["goal"]
-    clauses = [f"Goal: row {gr}, column {gc}."]
+    clauses = []
     for state, action in zip(states, actions):
         (r, c), holes = state["player"], {tuple(h) for h in state["holes"]}
         cell = {name: (r + dr, c + dc) for name, (dr, dc) in DIRECTIONS.items()}
@@ -171,8 +172,8 @@ def frozenlake_path(states: list[dict], actions: list[str], style: str | None = 
         considered = closer[: closer.index(action)] if action in closer else closer  # all of them before a fallback
         rejected = [_BESIDE[name] for name in considered if cell[name] in holes]
         why = f"{'holes' if len(rejected) > 1 else 'hole'} {' and '.join(rejected)}, so " if rejected else ""
-        clauses.append(f"Row {r}, column {c}: {why}{action.lower()}.")
-    return {"observation": clauses[1], "reasoning": " ".join(clauses)}
+        clauses.append(f"row {r}, column {c}: {why}{action.lower()}.")
+    return {"observation": clauses[0], "reasoning": " ".join(clauses)}
 
 
 REASONING = {"frozenlake": frozenlake_reasoning, "sokoban": sokoban_reasoning}
