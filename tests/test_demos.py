@@ -11,9 +11,11 @@ from vagen.demos import (
     demo_episode,
     distinct_eval_seeds,
     eval_level_keys,
+    frozenlake_path,
     frozenlake_reasoning,
     level_key,
     play_demo,
+    reasoning,
     scripted_baselines,
     scripted_success,
     sokoban_reasoning,
@@ -112,6 +114,38 @@ def test_reasoning_is_derived_from_the_state_and_varied():
     text = sokoban_reasoning(box_state, ["Up"], np.random.default_rng(0))["reasoning"]
     assert ("1 row up" in text or "1 up" in text) and "push up" in text.lower() or "Up first" in text, text
     assert format_response("no_think", "Up, Left", {}) == "<answer>Up, Left</answer>"
+
+
+def test_path_reasoning_names_each_move_from_the_cell_it_starts_on():
+    holes = [(1, 0), (1, 1), (3, 1)]
+    states = [{"size": (4, 4), "player": p, "goal": (3, 3), "holes": holes} for p in [(0, 0), (0, 1), (0, 2)]]
+    # rows first: below (0, 0) and (0, 1) are holes, below (0, 2) is ice
+    assert frozenlake_path(states, ["Right", "Right", "Down"])["reasoning"] == (
+        "row 0, column 0: hole below, so right. row 0, column 1: hole below, so right. row 0, column 2: down.")
+    # columns first: right of (0, 0) is ice, so nothing was rejected
+    assert frozenlake_path(states[:1], ["Right"], "columns")["reasoning"] == "row 0, column 0: right."
+    # a fallback away from the goal names every move toward it that was a hole
+    corner = {"size": (4, 4), "player": (2, 0), "goal": (3, 3), "holes": [(3, 0), (2, 1)]}
+    assert frozenlake_path([corner], ["Up"])["reasoning"] == "row 2, column 0: holes below and right, so up."
+
+
+def test_path_demonstrations_trace_the_moves_of_their_answer():
+    cfg = load_config("frozenlake_text")
+    env = make_env(cfg.env)
+    for demo in collect_demos(cfg.env, "teacher", 30, cfg.rollout.max_turns, kind="path"):
+        env.reset(seed=demo.seed)
+        for response in demo.responses:
+            clauses = response.split("<think>")[1].split("</think>")[0].split(". ")
+            moves = response.split("<answer>")[1].split("</answer>")[0].split(", ")
+            assert len(clauses) == len(moves), response
+            for clause, move in zip(clauses, moves):
+                r, c = env.state()["player"]
+                assert clause.startswith(f"row {r}, column {c}: ") and clause.rstrip(".").endswith(move.lower())
+                env.step(format_response(env.prompt_format, move))
+    with pytest.raises(ValueError, match="no path reasoning for env 'sokoban'.*sft.reasoning"):
+        reasoning("sokoban", [{}], ["Up"], np.random.default_rng(0), kind="path")
+    with pytest.raises(ValueError, match="unknown demonstration reasoning 'far'; choices: near, path"):
+        reasoning("frozenlake", [{}], ["Up"], np.random.default_rng(0), kind="far")
 
 
 def test_different_levels_get_different_reasoning():
