@@ -10,6 +10,7 @@ from vagen.demos import (
     collect_demos,
     demo_episode,
     distinct_eval_seeds,
+    distinct_levels,
     eval_level_keys,
     frozenlake_path,
     frozenlake_reasoning,
@@ -114,6 +115,16 @@ def test_reasoning_is_derived_from_the_state_and_varied():
     text = sokoban_reasoning(box_state, ["Up"], np.random.default_rng(0))["reasoning"]
     assert ("1 row up" in text or "1 up" in text) and "push up" in text.lower() or "Up first" in text, text
     assert format_response("no_think", "Up, Left", {}) == "<answer>Up, Left</answer>"
+
+
+def test_distinct_levels_skip_repeats_and_excluded_levels_and_give_up_with_the_fix():
+    cfg = load_config("frozenlake_text")
+    env = make_env(cfg.env)
+    env.reset(seed=1)
+    # seeds 2 and 3 draw the same map
+    assert list(distinct_levels(env, 3, [0, 0, 1, 2, 3, 4], exclude={level_key(env)})) == [0, 2, 4]
+    with pytest.raises(RuntimeError, match="only 1 new distinct frozenlake levels in 3 seeds, 2 requested; do this"):
+        list(distinct_levels(env, 2, [5, 5, 5, 6], max_draws=3, fix="do this"))
 
 
 def test_path_reasoning_names_each_move_from_the_cell_it_starts_on():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import itertools
 import json
 from dataclasses import dataclass, field
 
@@ -58,24 +59,31 @@ def eval_level_keys(cfg_env, n: int) -> set[str]:
     return keys
 
 
-def distinct_eval_seeds(cfg_env, n: int, max_draws: int | None = None) -> list[int]:
-    """The first `n` evaluation seeds whose levels differ from each other (small maps repeat)."""
-    env = make_env(cfg_env, {"render_mode": "text"})
-    seeds, seen = [], set()
-    offset = 0
-    max_draws = max_draws or 20 * n
-    while len(seeds) < n:
-        if offset >= max_draws:
-            raise RuntimeError(f"only {len(seeds)} distinct {cfg_env.name} levels among {max_draws} evaluation "
-                               f"seeds, {n} requested; ask for fewer or use larger levels")
-        seed = eval_seeds(1, offset)[0]
-        offset += 1
+def distinct_levels(env, n: int, seeds, exclude: set[str] = frozenset(), max_draws: int | None = None,
+                    fix: str = "ask for fewer levels or use larger ones"):
+    """Yield the first `n` of `seeds` (an iterable of ints) whose levels differ from each other and
+    from `exclude` (level keys), with `env` reset to each one as it is yielded. Gives up after
+    `max_draws` seeds (default 50·n) with an error that ends with `fix`."""
+    seen, found = set(exclude), 0
+    max_draws = max_draws or 50 * n
+    for draws, seed in enumerate(seeds):
+        if found == n:
+            return
+        if draws == max_draws:
+            raise RuntimeError(f"only {found} new distinct {env.name} levels in {max_draws} seeds, {n} requested; {fix}")
         env.reset(seed=seed)
         key = level_key(env)
         if key not in seen:
             seen.add(key)
-            seeds.append(seed)
-    return seeds
+            found += 1
+            yield seed
+
+
+def distinct_eval_seeds(cfg_env, n: int, max_draws: int | None = None) -> list[int]:
+    """The first `n` evaluation seeds whose levels differ from each other (small maps repeat)."""
+    env = make_env(cfg_env, {"render_mode": "text"})
+    return list(distinct_levels(env, n, (eval_seeds(1, offset)[0] for offset in itertools.count()),
+                                max_draws=max_draws or 20 * n))
 
 
 # -- reasoning ----------------------------------------------------------------------------------------
@@ -289,20 +297,9 @@ def collect_demos(cfg_env, policy: str, n: int, max_turns: int, exclude: set[str
     skipping levels in `exclude` (e.g. `eval_level_keys`). Played in text render mode (same levels,
     same dynamics, no frames drawn)."""
     env = make_env(cfg_env, {"render_mode": "text"})
-    demos, seen = [], set(exclude)
-    seed = start_seed
-    max_draws = max_draws or 50 * n
-    while len(demos) < n:
-        if seed - start_seed >= max_draws:
-            raise RuntimeError(f"only {len(demos)} new distinct {cfg_env.name} levels in {max_draws} seeds from "
-                               f"{start_seed}, {n} requested; ask for fewer demonstrations or use larger levels")
-        env.reset(seed=seed)
-        key = level_key(env)
-        if key not in seen:
-            seen.add(key)
-            demos.append(play_demo(env, seed, policy, max_turns, draw_style=draw_style, kind=kind))
-        seed += 1
-    return demos
+    return [play_demo(env, seed, policy, max_turns, draw_style=draw_style, kind=kind)
+            for seed in distinct_levels(env, n, itertools.count(start_seed), exclude, max_draws,
+                                        "ask for fewer demonstrations or use larger levels")]
 
 
 def scripted_success(cfg_env, policy: str, seeds: list[int], max_turns: int,

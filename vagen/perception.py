@@ -17,12 +17,13 @@ Frames are the ones an episode shows: a level's start after a random number of t
 from __future__ import annotations
 
 import importlib
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
 
-from vagen.demos import level_key
+from vagen.demos import distinct_levels
 from vagen.rollout import ChatEncoder, Episode, Turn, make_env
 
 # state() keys of objects that sit on one cell, and how a question names them
@@ -75,19 +76,10 @@ def perception_probes(cfg_env, n: int, max_moves: int, exclude: set[str] = froze
         raise ValueError(f"env {cfg_env.name!r} has no grid state with a player, box or target to ask about, so it "
                          f"has no perception stage; set sft.perception_steps=0")
     teacher = importlib.import_module(type(env).__module__).teacher_action
-    probes, seen, seed = [], set(exclude), start_seed
-    max_draws = max_draws or 50 * n
-    while len(probes) < n:
-        if seed - start_seed >= max_draws:
-            raise RuntimeError(f"only {len(probes)} new distinct {cfg_env.name} levels in {max_draws} seeds from "
-                               f"{start_seed}, {n} requested; set sft.perception_levels lower")
-        env.reset(seed=seed)
-        key = level_key(env)
-        seed += 1
-        if key in seen:
-            continue
-        seen.add(key)
-        rng = np.random.default_rng([seed - 1, 13])
+    probes = []
+    for seed in distinct_levels(env, n, itertools.count(start_seed), exclude, max_draws,
+                                "set sft.perception_levels lower"):
+        rng = np.random.default_rng([seed, 13])
         for _ in range(int(rng.integers(max_moves + 1))):
             _, _, terminated, truncated, info = env.step(f"<answer>{teacher(env.state(), rng)}</answer>")
             assert info["format_ok"], f"the teacher's move does not parse in {cfg_env.name}"
@@ -98,7 +90,7 @@ def perception_probes(cfg_env, n: int, max_moves: int, exclude: set[str] = froze
         name = sorted(cells)[int(rng.integers(len(cells)))]
         axis = axes[int(rng.integers(len(axes)))]
         size = state["size"][0 if axis == "row" else 1]
-        probes.append(Probe(seed - 1, env.render_image(), question(name, axis, size),
+        probes.append(Probe(seed, env.render_image(), question(name, axis, size),
                             cells[name][0 if axis == "row" else 1]))
     return probes
 
