@@ -2,12 +2,14 @@ import json
 
 import imageio.v3 as iio
 import pytest
+import torch
 from PIL import Image
 
 import envs_visual
 from vagen.config import load_config
-from vagen.eval import main, play_reference, resolve_checkpoint
-from vagen.rollout import eval_seeds
+from vagen.eval import evaluate, main, play_reference, resolve_checkpoint
+from vagen.models import load_policy, resolve_model_path
+from vagen.rollout import ChatEncoder, eval_seeds
 
 
 def test_evaluating_the_tiny_model_writes_results_with_reference_rows_and_videos(tiny_vl, tmp_path):
@@ -53,3 +55,31 @@ def test_reference_policies_replay_deterministically():
 def test_resolve_checkpoint_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model there.*runs/<run>/checkpoints/step_N"):
         resolve_checkpoint(str(tmp_path))
+
+
+def test_sampled_evaluation_is_seeded_and_leaves_the_callers_random_state(model_cache, tmp_path, monkeypatch):
+    import vagen.rollout as rollout_module
+
+    played = []
+    real = rollout_module.rollout
+
+    def recording(*args, **kwargs):
+        episodes, stats = real(*args, **kwargs)
+        played.append([ep.input_ids for ep in episodes])
+        return episodes, stats
+
+    monkeypatch.setattr(rollout_module, "rollout", recording)
+    overrides = ["rollout.max_turns=2", "rollout.max_new_tokens=16", "eval.do_sample=true"]
+    cfg = load_config("frozenlake_text", overrides)
+    model, processor = load_policy(resolve_model_path(cfg.model.path, model_cache))
+    encoder = ChatEncoder(processor)
+    torch.manual_seed(123)
+    evaluate(model, encoder, cfg, 8, tmp_path, with_baselines=False)
+    after_call = torch.rand(3)
+    torch.manual_seed(456)  # another state before the call: the same episodes
+    evaluate(model, encoder, cfg, 8, tmp_path, with_baselines=False)
+    evaluate(model, encoder, load_config("frozenlake_text", overrides + ["eval.sample_seed=1"]), 8, tmp_path,
+             with_baselines=False)
+    assert played[0] == played[1] != played[2]
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), after_call)  # the caller's stream goes on as if nothing had drawn

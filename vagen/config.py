@@ -158,6 +158,7 @@ class EvalConfig:
     episodes: int = _f(16, "evaluation episodes (held-out seeds)")
     videos: int = _f(2, "episode videos written per evaluation")
     do_sample: bool = _f(False, "sample during evaluation (false = greedy)")
+    sample_seed: int = _f(0, "a sampled evaluation draws from this seed (+ the rank): reruns play the same episodes")
 
 
 @dataclass

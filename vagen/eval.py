@@ -107,8 +107,10 @@ def _gather(items: list, dist) -> list:
 def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0, dist=None,
              with_baselines: bool = True) -> dict:
     """Play `episodes` held-out episodes (split across ranks), write results and videos, return
-    the model's summary (and the reference rows under "reference")."""
-    from vagen.rollout import eval_seeds, make_env, rollout
+    the model's summary (and the reference rows under "reference"). A sampled evaluation
+    (`eval.do_sample`) draws from `eval.sample_seed` + rank: the same checkpoint on the same number
+    of ranks plays the same episodes, and the caller's random state is left as it was."""
+    from vagen.rollout import eval_seeds, make_env, own_draws, rollout
 
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     seeds = eval_seeds(episodes)
@@ -119,7 +121,8 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
         env.record_frames = seed in video_seeds
     was_training = model.training
     model.eval()
-    played, _ = rollout(model, encoder, cfg, mine, group_size=1, do_sample=cfg.eval.do_sample, envs=envs)
+    with own_draws(cfg.eval.sample_seed + rank):
+        played, _ = rollout(model, encoder, cfg, mine, group_size=1, do_sample=cfg.eval.do_sample, envs=envs)
     model.train(was_training)
     records = [episode_record(ep.seed, [{"reward": t.reward, "info": t.info, "length": t.response_length}
                                         for t in ep.turns], ep.success) for ep in played]

@@ -14,6 +14,7 @@ Generated ids are kept as sampled (never re-tokenised from text).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,15 @@ def train_seeds(iteration: int, env_groups: int, base_seed: int = 0) -> list[int
 
 def eval_seeds(n: int, offset: int = 0) -> list[int]:
     return [EVAL_SEED_BASE + offset + i for i in range(n)]
+
+
+@contextlib.contextmanager
+def own_draws(seed: int):
+    """Sampling inside draws from `seed` and leaves the caller's torch random state as it was, so a
+    sampled evaluation plays the same episodes whatever ran before it, and perturbs nothing after."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        yield
 
 
 @dataclass

@@ -277,12 +277,11 @@ def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, bat
     with `rollout.temperature`; `successes` counts for `wilson_interval`. Sampling draws from
     `sample_seed`, so a checkpoint scores the same whatever ran before in the process, and the
     caller's random state is left as it was."""
-    from vagen.rollout import rollout, rollout_metrics
+    from vagen.rollout import own_draws, rollout, rollout_metrics
 
     model.eval()
     episodes = []
-    with torch.random.fork_rng():
-        torch.manual_seed(sample_seed)
+    with own_draws(sample_seed):
         for start in range(0, len(seeds), batch):
             played, _ = rollout(model, encoder, cfg, seeds[start:start + batch], 1, do_sample=do_sample)
             episodes += played
