@@ -4,6 +4,7 @@ import torch
 
 import envs_visual
 from envs_visual.base import PROMPT_FORMATS, format_response
+from envs_visual.grid import DIRECTIONS
 from vagen.config import load_config
 from vagen.demos import (
     blind_success,
@@ -19,6 +20,7 @@ from vagen.demos import (
     reasoning,
     scripted_baselines,
     scripted_success,
+    sokoban_path,
     sokoban_reasoning,
 )
 from vagen.rollout import ChatEncoder, make_env, rollout
@@ -138,25 +140,38 @@ def test_path_reasoning_names_each_move_from_the_cell_it_starts_on():
     # a fallback away from the goal names every move toward it that was a hole
     corner = {"size": (4, 4), "player": (2, 0), "goal": (3, 3), "holes": [(3, 0), (2, 1)]}
     assert frozenlake_path([corner], ["Up"])["reasoning"] == "row 2, column 0: holes below and right, so up."
+    before = {"size": (6, 6), "player": (4, 2), "boxes": [(3, 2)], "targets": [(1, 2)], "walls": []}
+    after = {**before, "player": (3, 2), "boxes": [(2, 2)]}
+    assert sokoban_path([before, after], ["Up", "Left"])["reasoning"] == (
+        "box at row 3, column 2; target at row 1, column 2. row 4, column 2: push up. row 3, column 2: go left.")
 
 
-def test_path_demonstrations_trace_the_moves_of_their_answer():
-    cfg = load_config("frozenlake_text")
+@pytest.mark.parametrize("config", CONFIGS)
+def test_path_demonstrations_trace_the_moves_of_their_answer(config):
+    cfg = load_config(config)
     env = make_env(cfg.env)
     for demo in collect_demos(cfg.env, "teacher", 30, cfg.rollout.max_turns, kind="path"):
         env.reset(seed=demo.seed)
         for response in demo.responses:
             clauses = response.split("<think>")[1].split("</think>")[0].split(". ")
             moves = response.split("<answer>")[1].split("</answer>")[0].split(", ")
+            if config == "sokoban_text":  # first where the box and its target are
+                (br, bc), (tr, tc) = env.state()["boxes"][0], env.state()["targets"][0]
+                assert clauses.pop(0) == f"box at row {br}, column {bc}; target at row {tr}, column {tc}"
             assert len(clauses) == len(moves), response
             for clause, move in zip(clauses, moves):
-                r, c = env.state()["player"]
+                state = env.state()
+                r, c = state["player"]
                 assert clause.startswith(f"row {r}, column {c}: ") and clause.rstrip(".").endswith(move.lower())
+                if config == "sokoban_text":
+                    dr, dc = DIRECTIONS[move]
+                    verb = "push" if (r + dr, c + dc) in {tuple(b) for b in state["boxes"]} else "go"
+                    assert clause.split(": ")[1].startswith(verb + " "), clause
                 env.step(format_response(env.prompt_format, move))
-    with pytest.raises(ValueError, match="no path reasoning for env 'sokoban'.*sft.reasoning"):
-        reasoning("sokoban", [{}], ["Up"], np.random.default_rng(0), kind="path")
     with pytest.raises(ValueError, match="unknown demonstration reasoning 'far'; choices: near, path"):
         reasoning("frozenlake", [{}], ["Up"], np.random.default_rng(0), kind="far")
+    with pytest.raises(ValueError, match="no path reasoning for env 'countdown'.*sft.reasoning"):
+        reasoning("countdown", [{}], ["Up"], np.random.default_rng(0), kind="path")
 
 
 def test_different_levels_get_different_reasoning():

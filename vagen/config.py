@@ -141,8 +141,8 @@ class SFTConfig:
     teacher_styles: bool = _f(False, "draw the teacher's style per episode (FrozenLake: rows or columns first) "
                                      "and state it in the reasoning; false: its default style, unstated")
     reasoning: str = _f("near", "what a demonstration's <think> says: near (where the goal or box is, what is next to "
-                                "the player, the first move) | path (FrozenLake: a clause per move of the answer, "
-                                "from the cell it starts on: 'Row 0, column 1: hole below, so right.')")
+                                "the player, the first move) | path (a clause per move of the answer, from the cell it "
+                                "starts on: 'row 0, column 1: hole below, so right.', 'row 4, column 2: push up.')")
     perception_steps: int = _f(0, "steps at most of a first stage on questions about the env's frames ('Which row "
                                   "is the box in?', vagen.perception) before the demonstrations; 0 = none")
     perception_levels: int = _f(2000, "levels (one question each) for the perception stage")

@@ -184,8 +184,23 @@ def frozenlake_path(states: list[dict], actions: list[str], style: str | None = 
     return {"observation": clauses[0], "reasoning": " ".join(clauses)}
 
 
+def sokoban_path(states: list[dict], actions: list[str], style: str | None = None) -> dict[str, str]:
+    """Where the boxes and targets are, then one clause per move of the turn from the cell it starts
+    on, pushing or going: `box at row 3, column 2; target at row 1, column 2. row 4, column 2: push
+    up. row 3, column 2: go up.`"""
+    def cells(key, one):
+        where = sorted(tuple(x) for x in states[0][key])
+        return f"{one if len(where) == 1 else key} at " + " and ".join(f"row {r}, column {c}" for r, c in where)
+
+    clauses = [f"{cells('boxes', 'box')}; {cells('targets', 'target')}."]
+    for state, action in zip(states, actions):
+        r, c = state["player"]
+        clauses.append(f"row {r}, column {c}: {'push' if _pushes(state, action) else 'go'} {action.lower()}.")
+    return {"observation": clauses[0], "reasoning": " ".join(clauses)}
+
+
 REASONING = {"frozenlake": frozenlake_reasoning, "sokoban": sokoban_reasoning}
-PATH_REASONING = {"frozenlake": frozenlake_path}
+PATH_REASONING = {"frozenlake": frozenlake_path, "sokoban": sokoban_path}
 REASONING_KINDS = ("near", "path")
 
 
