@@ -9,7 +9,10 @@ Prints how episodes end next to the teacher's outcome on the same level, and per
 action within its turn (first, second, ... of the answer) what the actions did.
 - FrozenLake: episodes end at the goal, in a hole or out of turns; actions step into a hole, match
   the teacher's move, or lie on a shortest path. A policy that reads the cell next to it but not the
-  cells its later moves enter shows it as holes at positions 2 and 3.
+  cells its later moves enter shows it as holes at positions 2 and 3. An agent that reasons along its
+  path (`sft.reasoning=path`) also gets, per action, whether its clause names the cell the move
+  starts from and whether it is word for word the clause the teacher writes in that state (the
+  holes read right and the teacher's move chosen).
 - Sokoban: episodes end solved, deadlocked (a push left the level unsolvable) or out of turns with
   the level still solvable; actions change nothing (a wall, or a box that cannot move), match the
   teacher's move, lie on an optimal plan (the solver's remaining length drops by one), or deadlock.
@@ -21,10 +24,17 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def path_clauses(response: str) -> list[str]:
+    """The `row R, column C: …` clauses of a response's <think> (`sft.reasoning=path`), in order."""
+    think = response.split("<think>")[-1].split("</think>")[0] if "</think>" in response else ""
+    return re.findall(r"row \d+, column \d+: [^.]*\.", think)
 
 
 def replay_frozenlake(cfg, episode, counts: collections.Counter) -> str:
@@ -33,6 +43,7 @@ def replay_frozenlake(cfg, episode, counts: collections.Counter) -> str:
 
     import envs_visual.frozenlake as frozenlake
     from envs_visual.grid import DIRECTIONS, bfs_path
+    from vagen.demos import frozenlake_path
     from vagen.rollout import make_env
 
     env = make_env(cfg.env, {"render_mode": "text", "prompt_format": "no_think"})
@@ -44,11 +55,16 @@ def replay_frozenlake(cfg, episode, counts: collections.Counter) -> str:
     paths = {cell: bfs_path(free, cell, tuple(state["goal"])) for cell in np.ndindex(*free.shape) if free[cell]}
     dist = {cell: len(path) for cell, path in paths.items() if path is not None}  # moves to the goal
     for turn in episode.turns:
+        clauses = path_clauses(getattr(turn, "response", ""))
         for index, action in enumerate(turn.info.get("actions", [])):
             state = env.state()
             (r, c), (dr, dc) = state["player"], DIRECTIONS[action]
             cell = (r + dr, c + dc)
             counts[index, "actions"] += 1
+            if index < len(clauses):  # sft.reasoning=path: did its clause name this cell, and read it as the teacher?
+                counts[index, "where"] += clauses[index].startswith(f"row {r}, column {c}:")
+                teacher = frozenlake_path([state], [frozenlake.teacher_action(state)])["reasoning"]
+                counts[index, "read"] += clauses[index] == teacher
             counts[index, "hole"] += cell in holes
             counts[index, "teacher"] += action == frozenlake.teacher_action(state)
             counts[index, "shortest"] += (r, c) in dist and dist.get(cell, -1) == dist[(r, c)] - 1
@@ -153,6 +169,8 @@ def main(argv=None) -> int:
     print("| level | " + " | ".join(endings) + " |\n|" + " --- |" * (len(endings) + 1))
     for side in ("teacher solves", "teacher fails"):
         print(f"| {side} | " + " | ".join(str(ends[side, end]) for end in endings) + " |")
+    if any(key == "where" for _, key in counts):
+        columns += (("where", "its clause names the cell"), ("read", "its clause is the teacher's"))
     print("\n| action in turn | actions | " + " | ".join(title for _, title in columns) + " |\n|"
           + " --- |" * (len(columns) + 2))
     for index in sorted({i for i, _ in counts}):
