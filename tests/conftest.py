@@ -60,3 +60,20 @@ def distributed():
     from vagen.train import init_distributed
 
     return init_distributed()
+
+
+@pytest.fixture
+def played_tokens(monkeypatch):
+    """Every `vagen.rollout.rollout` call made during the test appends its episodes' token ids here."""
+    import vagen.rollout as rollout_module
+
+    played = []
+    real = rollout_module.rollout
+
+    def recording(*args, **kwargs):
+        episodes, stats = real(*args, **kwargs)
+        played.append([ep.input_ids for ep in episodes])
+        return episodes, stats
+
+    monkeypatch.setattr(rollout_module, "rollout", recording)
+    return played

@@ -57,18 +57,7 @@ def test_resolve_checkpoint_errors(tmp_path):
         resolve_checkpoint(str(tmp_path))
 
 
-def test_sampled_evaluation_is_seeded_and_leaves_the_callers_random_state(model_cache, tmp_path, monkeypatch):
-    import vagen.rollout as rollout_module
-
-    played = []
-    real = rollout_module.rollout
-
-    def recording(*args, **kwargs):
-        episodes, stats = real(*args, **kwargs)
-        played.append([ep.input_ids for ep in episodes])
-        return episodes, stats
-
-    monkeypatch.setattr(rollout_module, "rollout", recording)
+def test_sampled_evaluation_is_seeded_and_leaves_the_callers_random_state(model_cache, tmp_path, played_tokens):
     overrides = ["rollout.max_turns=2", "rollout.max_new_tokens=16", "eval.do_sample=true"]
     cfg = load_config("frozenlake_text", overrides)
     model, processor = load_policy(resolve_model_path(cfg.model.path, model_cache))
@@ -80,6 +69,6 @@ def test_sampled_evaluation_is_seeded_and_leaves_the_callers_random_state(model_
     evaluate(model, encoder, cfg, 8, tmp_path, with_baselines=False)
     evaluate(model, encoder, load_config("frozenlake_text", overrides + ["eval.sample_seed=1"]), 8, tmp_path,
              with_baselines=False)
-    assert played[0] == played[1] != played[2]
+    assert played_tokens[0] == played_tokens[1] != played_tokens[2]
     torch.manual_seed(123)
     assert torch.equal(torch.rand(3), after_call)  # the caller's stream goes on as if nothing had drawn

@@ -32,18 +32,7 @@ def test_sft_on_demonstrations_teaches_the_format(model_cache, distributed):
     assert after["n"] == 16
 
 
-def test_sampled_held_out_evaluation_is_seeded_and_leaves_the_callers_random_state(model_cache, monkeypatch):
-    import vagen.rollout as rollout_module
-
-    played = []
-    real = rollout_module.rollout
-
-    def recording(*args, **kwargs):
-        episodes, stats = real(*args, **kwargs)
-        played.append([ep.input_ids for ep in episodes])
-        return episodes, stats
-
-    monkeypatch.setattr(rollout_module, "rollout", recording)
+def test_sampled_held_out_evaluation_is_seeded_and_leaves_the_callers_random_state(model_cache, played_tokens):
     cfg = load_config("frozenlake_text", ["rollout.max_turns=2", "rollout.max_new_tokens=16"])
     model, processor = load_policy(resolve_model_path(cfg.model.path, model_cache))
     encoder = ChatEncoder(processor)
@@ -54,7 +43,7 @@ def test_sampled_held_out_evaluation_is_seeded_and_leaves_the_callers_random_sta
     torch.manual_seed(456)  # another state before the call: the same episodes
     sft.held_out_metrics(model, encoder, cfg, seeds, do_sample=True)
     sft.held_out_metrics(model, encoder, cfg, seeds, do_sample=True, sample_seed=1)
-    assert played[0] == played[1] != played[2]
+    assert played_tokens[0] == played_tokens[1] != played_tokens[2]
     torch.manual_seed(123)
     assert torch.equal(torch.rand(3), after_call)  # the caller's stream goes on as if nothing had drawn
 
