@@ -168,8 +168,41 @@ def test_a_warm_start_that_does_not_read_the_frame_is_reported(monkeypatch):
     monkeypatch.setattr(sft, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": 0.55})
     said = []
     stats = sft.frame_dependence(None, [_sample(0, [[1, 4, 4]])], 0.56, 0, "cpu", 8, log=said.append)
-    assert stats == {"sft/val_answer_accuracy_other_frames": 0.55}
+    assert stats == {"sft/val_answer_accuracy": 0.56, "sft/val_answer_accuracy_other_frames": 0.55}
     assert len(said) == 1 and "does not read the frame" in said[0] and "model.builtin_seed" in said[0]
     said.clear()
     sft.frame_dependence(None, [_sample(0, [[1, 4, 4]])], 0.80, 0, "cpu", 8, log=said.append)
     assert said == []
+
+
+def test_path_reasoning_is_checked_on_every_generated_token(monkeypatch):
+    from vagen.trajectory import Sample, generated_positions
+
+    zeros = torch.zeros(5)
+    sample = Sample(torch.tensor([5, 6, 7, 8, 9]), torch.arange(5), loss_mask=torch.tensor([0, 1, 1, 1, 1.0]),
+                    turn_end_mask=torch.tensor([0, 0, 0, 0, 1.0]), answer_mask=torch.tensor([0, 0, 0, 1, 1.0]),
+                    think_mask=zeros, token_rewards=zeros, pixel_values=None, image_grid_thw=None, group_id=0,
+                    score=0.0, seed=0)
+
+    def right_but_the_reasoning(model, batch, device):  # argmax is the target except at the first think token
+        wanted = generated_positions(batch["loss_mask"])
+        targets = batch["input_ids"][:, wanted + 1]
+        logits = torch.nn.functional.one_hot(targets, 10).float()
+        logits[:, 0] = torch.nn.functional.one_hot(torch.tensor(0), 10).float()
+        return logits, targets, batch["loss_mask"][:, wanted + 1]
+
+    monkeypatch.setattr(sft, "masked_logits", right_but_the_reasoning)
+    model = torch.nn.Linear(1, 1)
+    assert sft.answer_accuracy(model, [sample], 0, "cpu")["sft/val_answer_accuracy"] == 1.0
+    assert sft.answer_accuracy(model, [sample], 0, "cpu", whole_response=True)["sft/val_response_accuracy"] == 0.0
+    # the frame check then compares whole responses with own and other frames
+    own, other = _sample(0, [[1, 4, 4]]), _sample(1, [[1, 4, 4]])
+
+    def by_frames(model, samples, pad_id, device, micro_batch_size, whole_response):
+        assert whole_response
+        return {"sft/val_response_accuracy": 0.9 if float(samples[0].pixel_values[0, 0]) == 0.0 else 0.5}
+
+    monkeypatch.setattr(sft, "answer_accuracy", by_frames)
+    said = []
+    stats = sft.frame_dependence(None, [own, other], 1.0, 0, "cpu", 8, log=said.append, whole_response=True)
+    assert stats == {"sft/val_response_accuracy": 0.9, "sft/val_response_accuracy_other_frames": 0.5} and not said

@@ -87,8 +87,10 @@ def nll_loss(model, batch, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def answer_accuracy(model, samples, pad_id: int, device, micro_batch_size: int = 16) -> dict[str, float]:
-    """Teacher-forced held-out metrics: share of turns whose whole answer is the argmax, and the
+def answer_accuracy(model, samples, pad_id: int, device, micro_batch_size: int = 16,
+                    whole_response: bool = False) -> dict[str, float]:
+    """Teacher-forced held-out metrics: share of turns whose whole answer is the argmax (with
+    `whole_response`, every generated token of the turn: `sft/val_response_accuracy`), and the
     mean negative log-likelihood of generated tokens."""
     from vagen import core
     from vagen.trajectory import collate, generated_positions
@@ -108,13 +110,14 @@ def answer_accuracy(model, samples, pad_id: int, device, micro_batch_size: int =
         hit[:, wanted] = (logits.argmax(-1) == targets).cpu()
         for row, sample in enumerate(group):
             turn_ids = torch.cumsum(sample.turn_end_mask, 0) - sample.turn_end_mask  # turn index of each token
-            answer = sample.answer_mask > 0
+            answer = (sample.loss_mask if whole_response else sample.answer_mask) > 0
             for k in range(int(sample.turn_end_mask.sum())):
                 sel = answer & (turn_ids == k)
                 turns += 1
                 correct += bool(hit[row, : sample.length][sel].all()) and bool(sel.any())
     model.train(was_training)
-    return {"sft/val_answer_accuracy": correct / max(turns, 1), "sft/val_nll": nll / max(tokens, 1.0)}
+    key = "sft/val_response_accuracy" if whole_response else "sft/val_answer_accuracy"
+    return {key: correct / max(turns, 1), "sft/val_nll": nll / max(tokens, 1.0)}
 
 
 def with_other_frames(samples: list) -> list:
@@ -139,17 +142,23 @@ MIN_FRAME_GAIN = 0.05
 
 
 def frame_dependence(model, val_samples, accuracy: float, pad_id: int, device, micro_batch_size: int,
-                     log=print) -> dict[str, float]:
+                     log=print, whole_response: bool = False) -> dict[str, float]:
     """Held-out answer accuracy with each demonstration's frames replaced by another level's, and a
-    warning when the answers barely depend on the frame."""
-    other = answer_accuracy(model, with_other_frames(val_samples), pad_id, device,
-                            micro_batch_size)["sft/val_answer_accuracy"]
+    warning when the answers barely depend on the frame. With `whole_response` (reasoning that names
+    every move, `sft.reasoning=path`, so the answer copies it under teacher forcing) both sides score
+    every generated token of a turn instead, and `accuracy` is measured here."""
+    key = "sft/val_response_accuracy" if whole_response else "sft/val_answer_accuracy"
+    if whole_response:
+        accuracy = answer_accuracy(model, val_samples, pad_id, device, micro_batch_size, True)[key]
+    other = answer_accuracy(model, with_other_frames(val_samples), pad_id, device, micro_batch_size,
+                            whole_response)[key]
     if accuracy - other < MIN_FRAME_GAIN:
-        log(f"warning: the warm start does not read the frame: held-out answer accuracy is {accuracy:.3f} with "
+        what = "response" if whole_response else "answer"
+        log(f"warning: the warm start does not read the frame: held-out {what} accuracy is {accuracy:.3f} with "
             f"each level's own frames and {other:.3f} with another level's, so RL from it starts blind. Whether "
             f"a built-in model learns to look depends on its initialisation: build again with another "
             f"model.builtin_seed (README, 'Warm start on demonstrations'), or train longer (sft.max_steps)")
-    return {"sft/val_answer_accuracy_other_frames": other}
+    return {key: accuracy, key + "_other_frames": other}
 
 
 def sft_engine(model, cfg, dist):
@@ -350,7 +359,7 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     stats.update(train_sft(engine, train_samples, val_samples, cfg, encoder.pad_id, dist.device, log=log))
     if val_samples and val_samples[0].pixel_values is not None:
         stats.update(frame_dependence(engine.module, val_samples, stats["sft/val_answer_accuracy"], encoder.pad_id,
-                                      dist.device, cfg.sft.micro_batch_size, log))
+                                      dist.device, cfg.sft.micro_batch_size, log, cfg.sft.reasoning == "path"))
     stats.update({"sft/data_seconds": data_s, "sft/build_seconds": time.perf_counter() - t0,
                   "sft/demo_success": sum(d.success for d in train_demos) / len(train_demos)})
     out = Path(out)
