@@ -187,7 +187,7 @@ def frozenlake_path(states: list[dict], actions: list[str], style: str | None = 
 def sokoban_path(states: list[dict], actions: list[str], style: str | None = None) -> dict[str, str]:
     """Where the boxes and targets are, then one clause per move of the turn from the cell it starts
     on, pushing or going: `box at row 3, column 2; target at row 1, column 2. row 4, column 2: push
-    up. row 3, column 2: go up.`"""
+    up. row 3, column 2: go left.`"""
     def cells(key, one):
         where = sorted(tuple(x) for x in states[0][key])
         return f"{one if len(where) == 1 else key} at " + " and ".join(f"row {r}, column {c}" for r, c in where)
@@ -210,9 +210,9 @@ def reasoning(env_name: str, states: list[dict], actions: list[str], rng: np.ran
     the solver) in grid env `env_name`, `states[i]` being the state before `actions[i]`. `kind`:
     near (where the goal is from the turn's first cell, what is next to it, the first move) or path
     (a clause per move, from the cell it starts on)."""
-    table = PATH_REASONING if kind == "path" else REASONING
     if kind not in REASONING_KINDS:
         raise ValueError(f"unknown demonstration reasoning {kind!r}; choices: {', '.join(REASONING_KINDS)}")
+    table = PATH_REASONING if kind == "path" else REASONING
     if env_name not in table:
         raise ValueError(f"no {kind} reasoning for env {env_name!r}: it is written for {', '.join(table)}; use "
                          f"one of them, another sft.reasoning, or add a function for it to vagen/demos.py")
