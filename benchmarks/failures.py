@@ -59,14 +59,13 @@ def replay_frozenlake(cfg, episode, counts: collections.Counter) -> str:
         for index, action in enumerate(turn.info.get("actions", [])):
             state = env.state()
             (r, c), (dr, dc) = state["player"], DIRECTIONS[action]
-            cell = (r + dr, c + dc)
+            cell, teacher = (r + dr, c + dc), frozenlake.teacher_action(state)
             counts[index, "actions"] += 1
             if index < len(clauses):  # sft.reasoning=path: did its clause name this cell, and read it as the teacher?
                 counts[index, "where"] += clauses[index].startswith(f"row {r}, column {c}:")
-                teacher = frozenlake_path([state], [frozenlake.teacher_action(state)])["reasoning"]
-                counts[index, "read"] += clauses[index] == teacher
+                counts[index, "read"] += clauses[index] == frozenlake_path([state], [teacher])["reasoning"]
             counts[index, "hole"] += cell in holes
-            counts[index, "teacher"] += action == frozenlake.teacher_action(state)
+            counts[index, "teacher"] += action == teacher
             counts[index, "shortest"] += (r, c) in dist and dist.get(cell, -1) == dist[(r, c)] - 1
             _, _, terminated, truncated, info = env.step(f"<answer>{action}</answer>")
             if terminated:
