@@ -107,6 +107,8 @@ def generate_level(seed: int, size: int = 4, p: float = 0.8, max_attempts: int =
 
 # Axis preferences of the teacher (see `teacher_action`); `sft.teacher_styles` draws one per episode.
 TEACHER_STYLES = ("rows", "columns")
+# The order in which each style tries the moves (path reasoning in vagen.demos names the ones it rejects).
+STYLE_ORDER = {"rows": ("Down", "Up", "Right", "Left"), "columns": ("Right", "Left", "Down", "Up")}
 
 
 def teacher_action(state: dict[str, Any], rng: np.random.Generator | None = None, style: str = "rows") -> str:
@@ -122,8 +124,7 @@ def teacher_action(state: dict[str, Any], rng: np.random.Generator | None = None
     (r, c), (gr, gc) = state["player"], state["goal"]
     holes = {tuple(h) for h in state["holes"]}
     closer, safe = [], []
-    order = ("Down", "Up", "Right", "Left") if style == "rows" else ("Right", "Left", "Down", "Up")
-    for name in order:
+    for name in STYLE_ORDER[style]:
         dr, dc = DIRECTIONS[name]
         nxt = (r + dr, c + dc)
         if not (0 <= nxt[0] < n and 0 <= nxt[1] < n) or nxt in holes:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from envs_visual.base import format_response
+from envs_visual.frozenlake import STYLE_ORDER
 from envs_visual.grid import DIRECTIONS
 from vagen.rollout import ChatEncoder, Episode, Turn, eval_seeds, make_env
 
@@ -169,7 +170,7 @@ def frozenlake_path(states: list[dict], actions: list[str], style: str | None = 
     enter a hole, and the move. `states[i]` is the state before `actions[i]`:
     `row 0, column 0: hole below, so right. row 0, column 1: down.` (lower case: `Ġrow` is one token
     of the built-in tokenizer, `Row` three)."""
-    order = ("Right", "Left", "Down", "Up") if style == "columns" else ("Down", "Up", "Right", "Left")
+    order = STYLE_ORDER[style or "rows"]
     gr, gc = states[0]["goal"]
     clauses = []
     for state, action in zip(states, actions):
