@@ -7,7 +7,7 @@ from vagen import sft
 from vagen.config import ConfigError, load_config
 from vagen.demos import eval_level_keys, level_key
 from vagen.models import resolve_model_path
-from vagen.perception import perception_probes, question_sample, single_cell_objects
+from vagen.perception import cell_answer, cell_probes, perception_probes, question_sample, single_cell_objects
 from vagen.rollout import ChatEncoder, make_env
 
 
@@ -150,3 +150,92 @@ def test_probes_can_be_limited_to_level_starts_and_chosen_questions():
         assert np.array_equal(np.asarray(probe.frame), np.asarray(env.render_image()))  # no move made
         assert probe.question.startswith("Which row is the player in?")
         assert probe.answer == env.state()["player"][0]
+
+
+# -- questions about the cells ahead of the player ---------------------------------------------------
+
+def test_cell_answers_name_what_lies_that_many_moves_from_the_player():
+    state = {"size": (4, 4), "player": (0, 0), "goal": (3, 3), "holes": [(1, 1), (2, 3)]}
+    assert cell_answer(state, (0, 0), ["Right"]) == 0  # frozen ice
+    assert cell_answer(state, (0, 0), ["Down", "Right"]) == 1  # the hole at (1, 1)
+    assert cell_answer(state, (1, 3), ["Down"]) == 1
+    assert cell_answer(state, (2, 2), ["Down", "Right"]) == 2  # the goal
+    assert cell_answer(state, (0, 0), ["Up"]) == 3  # off the map
+    # the moves add up to an offset: there and back is the player's own cell, even past the edge
+    assert cell_answer(state, (0, 2), ["Right", "Left"]) == 0
+    assert cell_answer(state, (0, 3), ["Right", "Left"]) == 0
+    assert cell_answer(state, (3, 2), ["Right", "Right"]) == 3
+
+
+def test_cell_probes_show_the_player_on_a_safe_cell_and_ask_about_a_cell_ahead():
+    cfg = load_config("frozenlake_visual")
+    probes = cell_probes(cfg.env, 24, moves=(1, 2))
+    env = make_env(cfg.env)
+    assert len(probes) == 24 and len({p.seed for p in probes}) == 12  # two questions per distinct level
+    counts = set()
+    for probe in probes:
+        env.reset(seed=probe.seed)
+        state = env.state()
+        frame = np.asarray(probe.frame)
+        cells = []
+        for cell in np.ndindex(4, 4):
+            env.player = cell
+            if np.array_equal(np.asarray(env.render_image()), frame):
+                cells.append(cell)
+        assert len(cells) == 1 and cells[0] not in state["holes"] and cells[0] != state["goal"]
+        moves = probe.question.split("by moving ")[1].split("?")[0].split(", then ")
+        counts.add(len(moves))
+        assert probe.answer == cell_answer(state, cells[0], moves), probe.question
+        assert probe.question.endswith("0 = frozen ice, 1 = a hole, 2 = the goal, 3 = off the map.\n<image>")
+    assert counts == {1, 2}
+    again = cell_probes(cfg.env, 24, moves=(1, 2))  # seeded by the level: the same questions again
+    assert [(p.seed, p.question, p.answer) for p in again] == [(p.seed, p.question, p.answer) for p in probes]
+    skipped = {level_key_of(env, probes[0].seed)}
+    assert probes[0].seed not in {p.seed for p in cell_probes(cfg.env, 4, exclude=skipped)}
+
+
+def level_key_of(env, seed):
+    env.reset(seed=seed)
+    return level_key(env)
+
+
+def test_cell_questions_are_refused_where_they_mean_nothing():
+    with pytest.raises(ValueError, match="defined for frozenlake .* not 'sokoban'; set sft.cell_questions=0"):
+        cell_probes(load_config("sokoban_visual").env, 4)
+    with pytest.raises(ValueError, match="at least one move"):
+        cell_probes(load_config("frozenlake_visual").env, 4, moves=(0, 2))
+    with pytest.raises(ConfigError, match="asks about FrozenLake frames, but env.name=sokoban"):
+        load_config("sokoban_visual", ["sft.cell_questions=100"])
+    with pytest.raises(ConfigError, match="env.render_mode=text; set sft.cell_questions=0"):
+        load_config("frozenlake_text", ["sft.cell_questions=100"])
+    with pytest.raises(ConfigError, match="sft.cell_moves=\\[\\] must list move counts"):
+        load_config("frozenlake_visual", ["sft.cell_questions=100", "sft.cell_moves=[]"])
+
+
+def test_cell_question_settings_enter_the_cache_key_only_when_the_stage_runs(tmp_path):
+    def key(*overrides):
+        return sft.cache_key(load_config("frozenlake_visual", list(overrides)), tmp_path, "teacher")
+
+    without = key("sft.cell_questions=0")
+    assert key("sft.cell_questions=0", "sft.cell_steps=10", "sft.cell_moves=[2]") == without
+    staged = key("sft.cell_questions=100")
+    assert staged != without
+    for change in ["sft.cell_steps=10", "sft.cell_moves=[2]", "sft.cell_batch_size=16"]:
+        assert key("sft.cell_questions=100", change) != staged, change
+
+
+def test_a_build_with_cell_questions_mixes_them_into_a_last_stage(tmp_path, model_cache, distributed):
+    overrides = ["sft.demos=16", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8",
+                 "sft.micro_batch_size=8", "sft.check_every=2", "sft.max_steps=2", "sft.min_steps=0",
+                 "sft.cell_questions=12", "sft.cell_steps=4", "sft.cell_batch_size=8", "rollout.max_turns=2"]
+    cfg = load_config("frozenlake_visual", overrides)
+    base = resolve_model_path(cfg.model.path, model_cache)
+    said = []
+    stats = sft.build_warm_start(cfg, base, tmp_path / "ws", "teacher", distributed, log=said.append)
+    assert stats["sft/step"] == 4  # the last stage's steps: its metrics are the warm start's
+    assert any(line.startswith("cells: 12 questions mixed into 16 demonstrations") for line in said)
+    assert [line.split(" held-out")[0] for line in said if "held-out question accuracy" in line] == [
+        "cells: step 2", "cells: step 4"]
+    assert 0.0 <= stats["sft/cell_accuracy"] <= 1.0 and 0.25 <= stats["sft/cell_majority"] <= 1.0
+    state = json.loads((tmp_path / "ws" / sft.STATE_FILE).read_text())
+    assert state["sft"]["cell_questions"] == 12 and "sft/val_answer_accuracy_other_frames" in state

@@ -10,7 +10,8 @@ from vagen.models import load_policy, resolve_model_path
 from vagen.rollout import ChatEncoder
 
 SMALL = ["sft.demos=48", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8", "sft.micro_batch_size=8",
-         "sft.lr=3e-3", "sft.warmup_steps=0", "sft.check_every=10", "sft.min_steps=0", "rollout.max_turns=2"]
+         "sft.lr=3e-3", "sft.warmup_steps=0", "sft.check_every=10", "sft.min_steps=0", "rollout.max_turns=2",
+         "sft.cell_questions=0"]
 
 
 def test_sft_on_demonstrations_teaches_the_format(model_cache, distributed):
@@ -75,9 +76,9 @@ def test_cache_key_follows_what_the_warm_start_depends_on(tmp_path):
     cfg = load_config("frozenlake_visual", ["model.warm_start=teacher"])
     key = sft.cache_key(cfg, tmp_path, "teacher")
     assert sft.cache_key(load_config("frozenlake_visual"), tmp_path, "teacher") == key
-    for change in ["env.params.size=5", "env.prompt_format=no_think", "env.render_mode=text", "sft.lr=1e-4",
-                   "env.max_actions_per_turn=2", "rollout.max_turns=4"]:
-        assert sft.cache_key(load_config("frozenlake_visual", [change]), tmp_path, "teacher") != key, change
+    for change in ["env.params.size=5", "env.prompt_format=no_think", "env.render_mode=text sft.cell_questions=0",
+                   "sft.lr=1e-4", "env.max_actions_per_turn=2", "rollout.max_turns=4"]:
+        assert sft.cache_key(load_config("frozenlake_visual", change.split()), tmp_path, "teacher") != key, change
     assert sft.cache_key(cfg, tmp_path, "solver") != key
     assert sft.cache_key(cfg, tmp_path / "other", "teacher") != key
 

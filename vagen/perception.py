@@ -107,3 +107,60 @@ def question_sample(encoder: ChatEncoder, model, frame: Image.Image, text: str, 
     episode.pixel_values, episode.image_grid_thw = pixel_values, grids
     episode.turns.append(Turn(text, [frame], response, 0.0, {}, (len(ids), len(episode.input_ids)), len(generated)))
     return episode_to_sample(episode, encoder, model)
+
+
+# -- questions about the cells a turn's later moves enter ---------------------------------------------
+
+CELL_ANSWERS = {0: "frozen ice", 1: "a hole", 2: "the goal", 3: "off the map"}
+
+
+def cell_question(moves: list[str]) -> str:
+    """The question about the cell that `moves` (direction names) from the player reach, image last."""
+    answers = ", ".join(f"{digit} = {name}" for digit, name in CELL_ANSWERS.items())
+    return f"What is on the cell the player reaches by moving {', then '.join(moves)}? {answers}.\n<image>"
+
+
+def cell_answer(state: dict, player: tuple[int, int], moves: list[str]) -> int:
+    """CELL_ANSWERS digit of the cell that `moves` from `player` reach on a FrozenLake `state()`. The
+    moves add up to an offset from the player (Right, then Left is the player's own cell), and a cell
+    outside the map is 3."""
+    from envs_visual.grid import DIRECTIONS
+
+    row = player[0] + sum(DIRECTIONS[m][0] for m in moves)
+    col = player[1] + sum(DIRECTIONS[m][1] for m in moves)
+    rows, cols = state["size"]
+    if not (0 <= row < rows and 0 <= col < cols):
+        return 3
+    return 1 if (row, col) in set(map(tuple, state["holes"])) else 2 if (row, col) == tuple(state["goal"]) else 0
+
+
+def cell_probes(cfg_env, n: int, moves=(1, 2), exclude: set[str] = frozenset(), start_seed: int = 0,
+                per_level: int = 2, max_draws: int | None = None) -> list[Probe]:
+    """`n` questions "what is on the cell the player reaches by moving Right, then Down?" on distinct
+    FrozenLake levels from seeds `start_seed, start_seed + 1, …` (skipping `exclude`), `per_level` per
+    level: the player stands on a random cell that is neither a hole nor the goal, and the number of
+    moves (drawn from `moves`) and their directions are random. These are the cells that the second
+    and third moves of a turn enter, which a policy must read from the turn's one frame."""
+    from envs_visual.grid import DIRECTIONS
+
+    if cfg_env.name != "frozenlake":
+        raise ValueError(f"questions about the cells ahead of the player are defined for frozenlake (holes, goal), not "
+                         f"{cfg_env.name!r}; set sft.cell_questions=0")
+    if not moves or min(moves) < 1:
+        raise ValueError(f"moves={list(moves)}: each question needs at least one move; use e.g. [1, 2]")
+    env = make_env(cfg_env, {"render_mode": "vision", "prompt_format": "no_think"})
+    names = sorted(DIRECTIONS)
+    probes = []
+    for seed in distinct_levels(env, -(-n // per_level), itertools.count(start_seed), exclude, max_draws,
+                                "set sft.cell_questions lower"):
+        rng = np.random.default_rng([seed, 29])
+        state = env.state()
+        holes = set(map(tuple, state["holes"]))
+        rows, cols = state["size"]
+        free = [(r, c) for r in range(rows) for c in range(cols) if (r, c) not in holes and (r, c) != state["goal"]]
+        for _ in range(per_level):
+            env.player = free[int(rng.integers(len(free)))]
+            count = moves[int(rng.integers(len(moves)))]
+            path = [str(m) for m in rng.choice(names, size=count)]
+            probes.append(Probe(seed, env.render_image(), cell_question(path), cell_answer(state, env.player, path)))
+    return probes[:n]

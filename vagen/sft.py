@@ -239,6 +239,7 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
 # Held-out accuracy at which the perception stage has done its job (it needs no more steps).
 PERCEPTION_TARGET = 0.98
 PERCEPTION_VAL_LEVELS = 200
+CELL_VAL_START = 10**6  # held-out cell questions are drawn from seeds from here (levels still distinct from evaluation)
 
 
 def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
@@ -300,6 +301,54 @@ def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, bat
             "n": len(episodes)}
 
 
+def cell_question_samples(cfg, encoder, model) -> tuple[list, list, float]:
+    """`sft.cell_questions` training samples of `vagen.perception.cell_probes` questions, held-out
+    ones on other levels, and the held-out score of always giving the most common answer. No level
+    is one of the first `sft.exclude_eval` evaluation levels."""
+    from vagen.demos import eval_level_keys
+    from vagen.perception import cell_probes, question_sample
+
+    exclude = eval_level_keys(cfg.env, cfg.sft.exclude_eval)
+    moves = tuple(cfg.sft.cell_moves)
+    train = cell_probes(cfg.env, cfg.sft.cell_questions, moves, exclude)
+    held_out = cell_probes(cfg.env, PERCEPTION_VAL_LEVELS, moves, exclude, start_seed=CELL_VAL_START)
+    answers = [p.answer for p in held_out]
+
+    def samples(probes):
+        return [question_sample(encoder, model, p.frame, p.question, p.answer, p.seed) for p in probes]
+
+    return samples(train), samples(held_out), max(answers.count(a) for a in set(answers)) / len(answers)
+
+
+def cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, log=print):
+    """The last stage of a FrozenLake warm start: `sft.cell_steps` more steps (a new optimizer and
+    cosine schedule, batch `sft.cell_batch_size`) on the demonstrations mixed with
+    `sft.cell_questions` questions about the cells 1 or 2 moves from the player
+    (`vagen.perception.cell_probes`). The demonstrations name only the cells next to the player;
+    these questions make the model read the cells that a turn's later moves enter. Returns the
+    engine and stats."""
+    sft = cfg.sft
+    t0 = time.perf_counter()
+    questions, val, majority = cell_question_samples(cfg, encoder, model)
+    log(f"cells: {len(questions)} questions mixed into {len(train_samples)} demonstrations in "
+        f"{time.perf_counter() - t0:.1f}s; always the most common answer scores {majority:.3f} held out")
+    stage = dataclasses.replace(cfg, sft=dataclasses.replace(
+        sft, max_steps=sft.cell_steps, min_steps=sft.cell_steps, batch_size=sft.cell_batch_size,
+        micro_batch_size=min(sft.micro_batch_size, sft.cell_batch_size)))
+    engine = sft_engine(model, stage, dist)
+    accuracy = {}
+
+    def check(step, metrics):
+        accuracy.update(answer_accuracy(engine.module, val, encoder.pad_id, dist.device, sft.micro_batch_size))
+        log(f"cells: step {step} held-out question accuracy {accuracy['sft/val_answer_accuracy']:.3f}")
+
+    stats = train_sft(engine, train_samples + questions, val_samples, stage, encoder.pad_id, dist.device, log=log,
+                      on_check=check)
+    stats.update({"sft/cell_accuracy": accuracy["sft/val_answer_accuracy"], "sft/cell_majority": majority,
+                  "sft/cell_seconds": time.perf_counter() - t0})
+    return engine, stats
+
+
 # -- the cached warm start ----------------------------------------------------------------------------
 
 def demonstration_code(env_name: str, perception: bool = False) -> str:
@@ -319,13 +368,15 @@ def demonstration_code(env_name: str, perception: bool = False) -> str:
 
 
 def cache_key(cfg, base_path: Path, policy: str) -> str:
-    """Hash of everything the warm start depends on (the perception settings only when that stage runs)."""
+    """Hash of everything the warm start depends on (the settings of a question stage only when it runs)."""
     env = cfg.env
     sft = dataclasses.asdict(cfg.sft)
-    if not cfg.sft.perception_steps:
-        for key in [k for k in sft if k.startswith("perception_")]:
-            del sft[key]
-    parts = [VERSION, demonstration_code(env.name, bool(cfg.sft.perception_steps)), Path(base_path).name, policy,
+    for stage, prefix in ((cfg.sft.perception_steps, "perception_"), (cfg.sft.cell_questions, "cell_")):
+        if not stage:
+            for key in [k for k in sft if k.startswith(prefix)]:
+                del sft[key]
+    questions = bool(cfg.sft.perception_steps or cfg.sft.cell_questions)
+    parts = [VERSION, demonstration_code(env.name, questions), Path(base_path).name, policy,
              env.name, env.params, env.prompt_format, env.render_mode,
              env.max_actions_per_turn, cfg.rollout.max_turns, cfg.model.min_pixels, cfg.model.max_pixels,
              cfg.model.dtype, sft]
@@ -357,6 +408,9 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     stats = perception_stage(model, encoder, cfg, dist, log) if cfg.sft.perception_steps else {}
     engine = sft_engine(model, cfg, dist)
     stats.update(train_sft(engine, train_samples, val_samples, cfg, encoder.pad_id, dist.device, log=log))
+    if cfg.sft.cell_questions:
+        engine, cell_stats = cell_question_stage(engine.module, encoder, cfg, dist, train_samples, val_samples, log)
+        stats.update(cell_stats)
     if val_samples and val_samples[0].pixel_values is not None:
         stats.update(frame_dependence(engine.module, val_samples, stats["sft/val_answer_accuracy"], encoder.pad_id,
                                       dist.device, cfg.sft.micro_batch_size, log, cfg.sft.reasoning == "path"))
