@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import envs_visual  # noqa: E402
 from vagen.config import load_config  # noqa: E402
 from vagen.models import TinySpec, load_policy, resolve_model_path  # noqa: E402
-from vagen.perception import perception_probes, question, question_sample  # noqa: E402
+from vagen.perception import cell_answer, cell_question, perception_probes, question, question_sample  # noqa: E402
 from vagen.rollout import ChatEncoder  # noqa: E402
 from vagen.sft import masked_logits, nll_loss, sft_engine  # noqa: E402
 from vagen.trajectory import collate  # noqa: E402
@@ -60,27 +60,17 @@ def probe_frame(env_name: str, seed: int, rng: np.random.Generator):
     return env.render_image(), env.player[0], 4
 
 
-CELL_ANSWERS = "0 = frozen ice, 1 = a hole, 2 = the goal, 3 = off the map"
-
-
 def moves_probe(seed: int, rng: np.random.Generator, distance: int):
-    """A FrozenLake 4x4 frame with the player on a random cell, a question about the cell that
-    `distance` random moves from the player reach (what a policy must read before its later moves of
-    a turn), and the answer digit (CELL_ANSWERS)."""
+    """A FrozenLake 4x4 frame with the player on a random cell (holes included), a question about the
+    cell that `distance` random moves from the player reach (what a policy must read before its later
+    moves of a turn), and the answer digit (`vagen.perception.CELL_ANSWERS`)."""
     from envs_visual.grid import DIRECTIONS
 
     env = envs_visual.make("frozenlake")
     env.reset(seed=seed)
     env.player = (int(rng.integers(4)), int(rng.integers(4)))
     names = [str(n) for n in rng.choice(sorted(DIRECTIONS), size=distance)]
-    row = env.player[0] + sum(DIRECTIONS[n][0] for n in names)
-    col = env.player[1] + sum(DIRECTIONS[n][1] for n in names)
-    if not (0 <= row < 4 and 0 <= col < 4):
-        answer = 3
-    else:
-        answer = 1 if env.level.holes[row, col] else 2 if (row, col) == env.level.goal else 0
-    text = f"What is on the cell the player reaches by moving {', then '.join(names)}? {CELL_ANSWERS}.\n<image>"
-    return env.render_image(), text, answer
+    return env.render_image(), cell_question(names), cell_answer(env.state(), env.player, names)
 
 
 def probe_sample(env_name: str, seed: int, rng: np.random.Generator, encoder: ChatEncoder, model,
