@@ -128,8 +128,7 @@ def run_more_sft(warm_start, cfg, seed, args, seeds, dist) -> list[dict]:
     control = dataclasses.replace(cfg.sft, lr_schedule="constant")
     if cfg.sft.cell_questions:  # the warm start's last stage mixed these in: so does its continuation
         train_samples += sft.cell_question_samples(cfg, encoder, model)[0]
-        control = dataclasses.replace(control, batch_size=control.cell_batch_size,
-                                      micro_batch_size=min(control.micro_batch_size, control.cell_batch_size))
+        control = sft.cell_stage_settings(control)  # its batches; steps are counted below
     cfg = dataclasses.replace(cfg, sft=control)
     val_samples = sft.demo_samples(val, cfg, encoder, model)
     # more of the same at the warm start's peak rate: a schedule that restarted here would end at 0

@@ -19,6 +19,21 @@ def test_single_cell_objects_are_the_player_and_lone_boxes_and_targets():
     assert single_cell_objects({"size": (4, 4), "player": (0, 0), "holes": [(1, 1)]}) == {"the player": (0, 0)}
 
 
+def player_cells(env, frame) -> list:
+    """The placements of the player on `env`'s current FrozenLake level that draw exactly `frame`."""
+    frame, cells = np.asarray(frame), []
+    for cell in np.ndindex(4, 4):
+        env.player = cell
+        if np.array_equal(np.asarray(env.render_image()), frame):
+            cells.append(cell)
+    return cells
+
+
+def level_key_of(env, seed):
+    env.reset(seed=seed)
+    return level_key(env)
+
+
 def test_frozenlake_answers_name_the_cell_the_frame_shows_the_player_in():
     cfg = load_config("frozenlake_visual")
     probes = perception_probes(cfg.env, 24, 8)
@@ -27,12 +42,7 @@ def test_frozenlake_answers_name_the_cell_the_frame_shows_the_player_in():
     for probe in probes:
         env.reset(seed=probe.seed)
         start = env.player
-        frame = np.asarray(probe.frame)
-        cells = []
-        for cell in np.ndindex(4, 4):  # the one placement of the player that draws this exact frame
-            env.player = cell
-            if np.array_equal(np.asarray(env.render_image()), frame):
-                cells.append(cell)
+        cells = player_cells(env, probe.frame)
         assert len(cells) == 1, probe.question
         row, col = cells[0]
         axis = "row" if probe.question.startswith("Which row") else "column"
@@ -176,12 +186,7 @@ def test_cell_probes_show_the_player_on_a_safe_cell_and_ask_about_a_cell_ahead()
     for probe in probes:
         env.reset(seed=probe.seed)
         state = env.state()
-        frame = np.asarray(probe.frame)
-        cells = []
-        for cell in np.ndindex(4, 4):
-            env.player = cell
-            if np.array_equal(np.asarray(env.render_image()), frame):
-                cells.append(cell)
+        cells = player_cells(env, probe.frame)
         assert len(cells) == 1 and cells[0] not in state["holes"] and cells[0] != state["goal"]
         moves = probe.question.split("by moving ")[1].split("?")[0].split(", then ")
         counts.add(len(moves))
@@ -192,11 +197,6 @@ def test_cell_probes_show_the_player_on_a_safe_cell_and_ask_about_a_cell_ahead()
     assert [(p.seed, p.question, p.answer) for p in again] == [(p.seed, p.question, p.answer) for p in probes]
     skipped = {level_key_of(env, probes[0].seed)}
     assert probes[0].seed not in {p.seed for p in cell_probes(cfg.env, 4, exclude=skipped)}
-
-
-def level_key_of(env, seed):
-    env.reset(seed=seed)
-    return level_key(env)
 
 
 def test_cell_questions_are_refused_where_they_mean_nothing():

@@ -320,6 +320,13 @@ def cell_question_samples(cfg, encoder, model) -> tuple[list, list, float]:
     return samples(train), samples(held_out), max(answers.count(a) for a in set(answers)) / len(answers)
 
 
+def cell_stage_settings(sft):
+    """`sft` (an SFTConfig) as the cell-question stage trains: `sft.cell_steps` steps, all of them
+    (no early stopping), batches of `sft.cell_batch_size`."""
+    return dataclasses.replace(sft, max_steps=sft.cell_steps, min_steps=sft.cell_steps, batch_size=sft.cell_batch_size,
+                               micro_batch_size=min(sft.micro_batch_size, sft.cell_batch_size))
+
+
 def cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, log=print):
     """The last stage of a FrozenLake warm start: `sft.cell_steps` more steps (a new optimizer and
     cosine schedule, batch `sft.cell_batch_size`) on the demonstrations mixed with
@@ -332,9 +339,7 @@ def cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, l
     questions, val, majority = cell_question_samples(cfg, encoder, model)
     log(f"cells: {len(questions)} questions mixed into {len(train_samples)} demonstrations in "
         f"{time.perf_counter() - t0:.1f}s; always the most common answer scores {majority:.3f} held out")
-    stage = dataclasses.replace(cfg, sft=dataclasses.replace(
-        sft, max_steps=sft.cell_steps, min_steps=sft.cell_steps, batch_size=sft.cell_batch_size,
-        micro_batch_size=min(sft.micro_batch_size, sft.cell_batch_size)))
+    stage = dataclasses.replace(cfg, sft=cell_stage_settings(sft))
     engine = sft_engine(model, stage, dist)
     accuracy = {}
 
