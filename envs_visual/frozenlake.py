@@ -203,6 +203,12 @@ class FrozenLakeEnv(TextActionEnv):
     def _success(self) -> bool:
         return self.player == self.level.goal
 
+    def place_player(self, cell: tuple[int, int]) -> None:
+        """Stand the player on `cell` (row, column) without a move, e.g. to render a question's frame."""
+        if not all(0 <= int(x) < self.level.size for x in cell):
+            raise ValueError(f"cell {tuple(cell)} is off the {self.level.size}x{self.level.size} map")
+        self.player = (int(cell[0]), int(cell[1]))
+
     def _failed(self) -> bool:
         return bool(self.level.holes[self.player])
 

@@ -466,6 +466,13 @@ class SokobanEnv(TextActionEnv):
     def _success(self) -> bool:
         return self.on_target == len(self.boxes)
 
+    def place_player(self, cell: tuple[int, int]) -> None:
+        """Stand the player on `cell` (row, column) without a move, e.g. to render a question's frame."""
+        index = int(cell[0]) * self.width + int(cell[1])
+        if self.walls[index] or index in self.boxes:
+            raise ValueError(f"cell {tuple(cell)} holds a wall or a box; the player can stand only on floor or a target")
+        self.player = index
+
     def _step_info(self) -> dict[str, Any]:
         return {"boxes_on_target": self.on_target, "num_boxes": len(self.boxes)}
 

@@ -7,7 +7,8 @@ from vagen import sft
 from vagen.config import ConfigError, load_config
 from vagen.demos import eval_level_keys, level_key
 from vagen.models import resolve_model_path
-from vagen.perception import cell_answer, cell_probes, perception_probes, question_sample, single_cell_objects
+from vagen.perception import (cell_answer, cell_probes, perception_probes, question_sample, single_cell_objects,
+                              standing_cells)
 from vagen.rollout import ChatEncoder, make_env
 
 
@@ -20,10 +21,14 @@ def test_single_cell_objects_are_the_player_and_lone_boxes_and_targets():
 
 
 def player_cells(env, frame) -> list:
-    """The placements of the player on `env`'s current FrozenLake level that draw exactly `frame`."""
+    """The placements of the player on `env`'s current FrozenLake or Sokoban level that draw exactly
+    `frame`."""
     frame, cells = np.asarray(frame), []
-    for cell in np.ndindex(4, 4):
-        env.player = cell
+    for cell in np.ndindex(*env.state()["size"]):
+        try:
+            env.place_player(cell)
+        except ValueError:  # a Sokoban wall or box
+            continue
         if np.array_equal(np.asarray(env.render_image()), frame):
             cells.append(cell)
     return cells
@@ -177,37 +182,70 @@ def test_cell_answers_name_what_lies_that_many_moves_from_the_player():
     assert cell_answer(state, (3, 2), ["Right", "Right"]) == 3
 
 
-def test_cell_probes_show_the_player_on_a_safe_cell_and_ask_about_a_cell_ahead():
-    cfg = load_config("frozenlake_visual")
+def test_sokoban_cell_answers_name_walls_boxes_and_targets():
+    state = {"size": (6, 6), "player": (2, 2), "boxes": [(3, 2)], "targets": [(2, 3), (4, 4)],
+             "walls": [(r, c) for r in range(6) for c in range(6) if r in (0, 5) or c in (0, 5)] + [(1, 1)]}
+    assert cell_answer(state, (2, 2), ["Up"]) == 0  # floor
+    assert cell_answer(state, (2, 2), ["Up", "Left"]) == 1  # the inner wall at (1, 1)
+    assert cell_answer(state, (2, 2), ["Down"]) == 2  # the box
+    assert cell_answer(state, (2, 2), ["Right"]) == 3  # a target
+    assert cell_answer(state, (1, 2), ["Up", "Up"]) == 4  # past the outer wall: off the map
+    assert cell_answer(state, (1, 2), ["Up"]) == 1
+    boxed = dict(state, boxes=[(4, 4)])  # a box on a target is a box: it decides the move
+    assert cell_answer(boxed, (3, 4), ["Down"]) == 2
+    assert standing_cells(state) == [(r, c) for r in range(1, 5) for c in range(1, 5) if (r, c) not in {(1, 1), (3, 2)}]
+
+
+@pytest.mark.parametrize("config, legend", [
+    ("frozenlake_visual", "0 = frozen ice, 1 = a hole, 2 = the goal, 3 = off the map."),
+    ("sokoban_visual", "0 = floor, 1 = a wall, 2 = a box, 3 = a target, 4 = off the map."),
+])
+def test_cell_probes_show_the_player_where_it_can_stand_and_ask_about_a_cell_ahead(config, legend):
+    cfg = load_config(config)
     probes = cell_probes(cfg.env, 24, moves=(1, 2))
     env = make_env(cfg.env)
     assert len(probes) == 24 and len({p.seed for p in probes}) == 12  # two questions per distinct level
-    counts = set()
+    counts, answers = set(), set()
     for probe in probes:
         env.reset(seed=probe.seed)
         state = env.state()
         cells = player_cells(env, probe.frame)
-        assert len(cells) == 1 and cells[0] not in state["holes"] and cells[0] != state["goal"]
+        # FrozenLake: never on a hole or the goal; Sokoban: never on a wall or a box
+        assert len(cells) == 1 and cell_answer(state, cells[0], []) in (0, 3), probe.question
         moves = probe.question.split("by moving ")[1].split("?")[0].split(", then ")
         counts.add(len(moves))
         assert probe.answer == cell_answer(state, cells[0], moves), probe.question
-        assert probe.question.endswith("0 = frozen ice, 1 = a hole, 2 = the goal, 3 = off the map.\n<image>")
-    assert counts == {1, 2}
+        assert probe.question.endswith(legend + "\n<image>")
+        answers.add(probe.answer)
+    assert counts == {1, 2} and len(answers) >= 3
     again = cell_probes(cfg.env, 24, moves=(1, 2))  # seeded by the level: the same questions again
     assert [(p.seed, p.question, p.answer) for p in again] == [(p.seed, p.question, p.answer) for p in probes]
     skipped = {level_key_of(env, probes[0].seed)}
     assert probes[0].seed not in {p.seed for p in cell_probes(cfg.env, 4, exclude=skipped)}
 
 
+def test_placing_the_player_refuses_cells_it_cannot_stand_on():
+    sokoban = make_env(load_config("sokoban_visual").env)
+    sokoban.reset(seed=0)
+    with pytest.raises(ValueError, match="holds a wall or a box"):
+        sokoban.place_player((0, 0))
+    with pytest.raises(ValueError, match="holds a wall or a box"):
+        sokoban.place_player(sokoban.state()["boxes"][0])
+    lake = make_env(load_config("frozenlake_visual").env)
+    lake.reset(seed=0)
+    with pytest.raises(ValueError, match="off the 4x4 map"):
+        lake.place_player((4, 0))
+
+
 def test_cell_questions_are_refused_where_they_mean_nothing():
-    with pytest.raises(ValueError, match="defined for frozenlake .* not 'sokoban'; set sft.cell_questions=0"):
-        cell_probes(load_config("sokoban_visual").env, 4)
+    with pytest.raises(ValueError, match="defined for frozenlake, sokoban, not 'navigation'; set sft.cell_questions=0"):
+        cell_probes(load_config("navigation_visual").env, 4)
     with pytest.raises(ValueError, match="at least one move"):
         cell_probes(load_config("frozenlake_visual").env, 4, moves=(0, 2))
-    with pytest.raises(ConfigError, match="asks about FrozenLake frames, but env.name=sokoban"):
-        load_config("sokoban_visual", ["sft.cell_questions=100"])
+    with pytest.raises(ConfigError, match="asks about FrozenLake or Sokoban frames, but env.name=navigation"):
+        load_config("navigation_visual", ["sft.cell_questions=100"])
     with pytest.raises(ConfigError, match="env.render_mode=text; set sft.cell_questions=0"):
-        load_config("frozenlake_text", ["sft.cell_questions=100"])
+        load_config("sokoban_text", ["sft.cell_questions=100"])
     with pytest.raises(ConfigError, match="sft.cell_moves=\\[\\] must list move counts"):
         load_config("frozenlake_visual", ["sft.cell_questions=100", "sft.cell_moves=[]"])
 

@@ -150,9 +150,9 @@ class SFTConfig:
                                               "objects: player, boxes, targets)")
     perception_axes: list = _f(["row"], "which coordinates the perception questions ask for: row, column")
     perception_batch_size: int = _f(32, "questions per optimizer step of the perception stage")
-    cell_questions: int = _f(0, "FrozenLake: questions 'what is on the cell the player reaches by moving Right, then "
-                                "Down?' mixed into a last stage on the demonstrations (vagen.perception.cell_probes); "
-                                "0 = no such stage")
+    cell_questions: int = _f(0, "FrozenLake and Sokoban frames: questions 'what is on the cell the player reaches by "
+                                "moving Right, then Down?' mixed into a last stage on the demonstrations "
+                                "(vagen.perception.cell_probes); 0 = no such stage")
     cell_moves: list = _f([1, 2], "how many moves from the player the cell questions look (drawn per question)")
     cell_steps: int = _f(2000, "optimizer steps of the cell-question stage (new optimizer, sft.lr_schedule)")
     cell_batch_size: int = _f(32, "demonstrations and questions per optimizer step of the cell-question stage")
@@ -256,8 +256,8 @@ def validate(cfg: Config) -> None:
                           f"{cfg.sft.cell_steps} and sft.cell_batch_size={cfg.sft.cell_batch_size} >= 1")
     if cfg.sft.cell_questions and (not cfg.sft.cell_moves or min(cfg.sft.cell_moves) < 1):
         raise ConfigError(f"sft.cell_moves={cfg.sft.cell_moves} must list move counts >= 1, e.g. [1, 2]")
-    if cfg.sft.cell_questions and (cfg.env.name != "frozenlake" or cfg.env.render_mode != "vision"):
-        raise ConfigError(f"sft.cell_questions={cfg.sft.cell_questions} asks about FrozenLake frames, but env.name="
+    if cfg.sft.cell_questions and (cfg.env.name not in ("frozenlake", "sokoban") or cfg.env.render_mode != "vision"):
+        raise ConfigError(f"sft.cell_questions={cfg.sft.cell_questions} asks about FrozenLake or Sokoban frames, but env.name="
                           f"{cfg.env.name} and env.render_mode={cfg.env.render_mode}; set sft.cell_questions=0")
     if algo.adv_estimator == "grpo" and ro.group_size < 2:
         raise ConfigError(

@@ -111,41 +111,69 @@ def question_sample(encoder: ChatEncoder, model, frame: Image.Image, text: str, 
 
 # -- questions about the cells a turn's later moves enter ---------------------------------------------
 
-CELL_ANSWERS = {0: "frozen ice", 1: "a hole", 2: "the goal", 3: "off the map"}
+# what a cell can hold, by env: the answer digit is the index; the last is always "off the map"
+CELL_ANSWERS = {
+    "frozenlake": ("frozen ice", "a hole", "the goal", "off the map"),
+    "sokoban": ("floor", "a wall", "a box", "a target", "off the map"),
+}
 
 
-def cell_question(moves: list[str]) -> str:
+def cell_question(moves: list[str], env_name: str = "frozenlake") -> str:
     """The question about the cell that `moves` (direction names) from the player reach, image last."""
-    answers = ", ".join(f"{digit} = {name}" for digit, name in CELL_ANSWERS.items())
+    answers = ", ".join(f"{digit} = {name}" for digit, name in enumerate(CELL_ANSWERS[env_name]))
     return f"What is on the cell the player reaches by moving {', then '.join(moves)}? {answers}.\n<image>"
 
 
+def cell_kind(state: dict, cell: tuple[int, int]) -> int:
+    """CELL_ANSWERS digit of `cell` on a FrozenLake or Sokoban `state()` (the env is told by its keys).
+    A box on a target is a box: it is what decides a move."""
+    rows, cols = state["size"]
+    if "holes" in state:  # FrozenLake
+        kinds = CELL_ANSWERS["frozenlake"]
+        if not (0 <= cell[0] < rows and 0 <= cell[1] < cols):
+            return len(kinds) - 1
+        return 1 if cell in set(map(tuple, state["holes"])) else 2 if cell == tuple(state["goal"]) else 0
+    kinds = CELL_ANSWERS["sokoban"]
+    if not (0 <= cell[0] < rows and 0 <= cell[1] < cols):
+        return len(kinds) - 1
+    for digit, key in ((1, "walls"), (2, "boxes"), (3, "targets")):
+        if cell in set(map(tuple, state[key])):
+            return digit
+    return 0
+
+
 def cell_answer(state: dict, player: tuple[int, int], moves: list[str]) -> int:
-    """CELL_ANSWERS digit of the cell that `moves` from `player` reach on a FrozenLake `state()`. The
-    moves add up to an offset from the player (Right, then Left is the player's own cell), and a cell
-    outside the map is 3."""
+    """CELL_ANSWERS digit of the cell that `moves` from `player` reach on a FrozenLake or Sokoban
+    `state()`. The moves add up to an offset from the player (Right, then Left is the player's own
+    cell) and ignore what lies between; a cell outside the map is "off the map"."""
     from envs_visual.grid import DIRECTIONS
 
     row = player[0] + sum(DIRECTIONS[m][0] for m in moves)
     col = player[1] + sum(DIRECTIONS[m][1] for m in moves)
+    return cell_kind(state, (row, col))
+
+
+def standing_cells(state: dict) -> list[tuple[int, int]]:
+    """Cells where a question may stand the player: FrozenLake's that are neither a hole nor the goal,
+    Sokoban's floor and targets without a box."""
     rows, cols = state["size"]
-    if not (0 <= row < rows and 0 <= col < cols):
-        return 3
-    return 1 if (row, col) in set(map(tuple, state["holes"])) else 2 if (row, col) == tuple(state["goal"]) else 0
+    blocked = {1, 2}  # FrozenLake: hole, goal; Sokoban: wall, box
+    return [(r, c) for r in range(rows) for c in range(cols) if cell_kind(state, (r, c)) not in blocked]
 
 
 def cell_probes(cfg_env, n: int, moves=(1, 2), exclude: set[str] = frozenset(), start_seed: int = 0,
                 per_level: int = 2, max_draws: int | None = None) -> list[Probe]:
     """`n` questions "what is on the cell the player reaches by moving Right, then Down?" on distinct
-    FrozenLake levels from seeds `start_seed, start_seed + 1, …` (skipping `exclude`), `per_level` per
-    level: the player stands on a random cell that is neither a hole nor the goal, and the number of
-    moves (drawn from `moves`) and their directions are random. These are the cells that the second
-    and third moves of a turn enter, which a policy must read from the turn's one frame."""
+    FrozenLake or Sokoban levels from seeds `start_seed, start_seed + 1, …` (skipping `exclude`),
+    `per_level` per level: the player stands on a random cell of `standing_cells` of the level's
+    start, and the number of moves (drawn from `moves`) and their directions are random. These are
+    the cells that the later moves of a turn enter, which a policy must read from the turn's one
+    frame."""
     from envs_visual.grid import DIRECTIONS
 
-    if cfg_env.name != "frozenlake":
-        raise ValueError(f"questions about the cells ahead of the player are defined for frozenlake (holes, goal), not "
-                         f"{cfg_env.name!r}; set sft.cell_questions=0")
+    if cfg_env.name not in CELL_ANSWERS:
+        raise ValueError(f"questions about the cells ahead of the player are defined for {', '.join(CELL_ANSWERS)}, "
+                         f"not {cfg_env.name!r}; set sft.cell_questions=0")
     if not moves or min(moves) < 1:
         raise ValueError(f"moves={list(moves)}: each question needs at least one move; use e.g. [1, 2]")
     env = make_env(cfg_env, {"render_mode": "vision", "prompt_format": "no_think"})
@@ -155,12 +183,12 @@ def cell_probes(cfg_env, n: int, moves=(1, 2), exclude: set[str] = frozenset(), 
                                 "set sft.cell_questions lower"):
         rng = np.random.default_rng([seed, 29])
         state = env.state()
-        holes = set(map(tuple, state["holes"]))
-        rows, cols = state["size"]
-        free = [(r, c) for r in range(rows) for c in range(cols) if (r, c) not in holes and (r, c) != state["goal"]]
+        free = standing_cells(state)
         for _ in range(per_level):
-            env.player = free[int(rng.integers(len(free)))]
+            player = free[int(rng.integers(len(free)))]
+            env.place_player(player)
             count = moves[int(rng.integers(len(moves)))]
             path = [str(m) for m in rng.choice(names, size=count)]
-            probes.append(Probe(seed, env.render_image(), cell_question(path), cell_answer(state, env.player, path)))
+            probes.append(Probe(seed, env.render_image(), cell_question(path, cfg_env.name),
+                                cell_answer(state, player, path)))
     return probes[:n]

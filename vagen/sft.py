@@ -328,7 +328,7 @@ def cell_stage_settings(sft):
 
 
 def cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, log=print):
-    """The last stage of a FrozenLake warm start: `sft.cell_steps` more steps (a new optimizer and
+    """The last stage of a FrozenLake or Sokoban warm start: `sft.cell_steps` more steps (a new optimizer and
     cosine schedule, batch `sft.cell_batch_size`) on the demonstrations mixed with
     `sft.cell_questions` questions about the cells 1 or 2 moves from the player
     (`vagen.perception.cell_probes`). The demonstrations name only the cells next to the player;
