@@ -7,8 +7,14 @@ from vagen import sft
 from vagen.config import ConfigError, load_config
 from vagen.demos import eval_level_keys, level_key
 from vagen.models import resolve_model_path
-from vagen.perception import (cell_answer, cell_probes, perception_probes, question_sample, single_cell_objects,
-                              standing_cells)
+from vagen.perception import (
+    cell_answer,
+    cell_probes,
+    perception_probes,
+    question_sample,
+    single_cell_objects,
+    standing_cells,
+)
 from vagen.rollout import ChatEncoder, make_env
 
 
