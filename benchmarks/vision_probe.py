@@ -56,7 +56,7 @@ def probe_frame(env_name: str, seed: int, rng: np.random.Generator):
         return env.render_image(), env.player // env.width, env.level.height
     env = envs_visual.make("frozenlake")
     env.reset(seed=seed)
-    env.player = (int(rng.integers(4)), int(rng.integers(4)))
+    env.place_player((int(rng.integers(4)), int(rng.integers(4))))
     return env.render_image(), env.player[0], 4
 
 
@@ -68,7 +68,7 @@ def moves_probe(seed: int, rng: np.random.Generator, distance: int):
 
     env = envs_visual.make("frozenlake")
     env.reset(seed=seed)
-    env.player = (int(rng.integers(4)), int(rng.integers(4)))
+    env.place_player((int(rng.integers(4)), int(rng.integers(4))))
     names = [str(n) for n in rng.choice(sorted(DIRECTIONS), size=distance)]
     return env.render_image(), cell_question(names), cell_answer(env.state(), env.player, names)
 
