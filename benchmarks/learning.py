@@ -125,11 +125,11 @@ def run_more_sft(warm_start, cfg, seed, args, seeds, dist) -> list[dict]:
     encoder = ChatEncoder(processor)
     train, val = sft.demo_sets(cfg, "teacher")
     train_samples = sft.demo_samples(train, cfg, encoder, model)
-    control = dataclasses.replace(cfg.sft, lr_schedule="constant")
+    control = cfg.sft
     if cfg.sft.cell_questions:  # the warm start's last stage mixed these in: so does its continuation
         train_samples += sft.cell_question_samples(cfg, encoder, model)[0]
         control = sft.cell_stage_settings(control)  # its batches; steps are counted below
-    cfg = dataclasses.replace(cfg, sft=control)
+    cfg = dataclasses.replace(cfg, sft=dataclasses.replace(control, lr_schedule="constant"))
     val_samples = sft.demo_samples(val, cfg, encoder, model)
     # more of the same at the warm start's peak rate: a schedule that restarted here would end at 0
     engine = sft.sft_engine(model, cfg, dist)

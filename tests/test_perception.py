@@ -268,6 +268,14 @@ def test_cell_question_settings_enter_the_cache_key_only_when_the_stage_runs(tmp
         assert key("sft.cell_questions=100", change) != staged, change
 
 
+def test_the_cell_stage_runs_its_own_schedule_whatever_the_first_stage_used():
+    for config in ("frozenlake_visual", "sokoban_visual"):  # cosine and constant first stages
+        first = load_config(config, ["sft.cell_questions=10", "sft.cell_steps=7", "sft.cell_batch_size=8"]).sft
+        stage = sft.cell_stage_settings(first)
+        assert (stage.lr_schedule, stage.max_steps, stage.min_steps, stage.batch_size) == ("cosine", 7, 7, 8)
+        assert stage.lr == first.lr and stage.micro_batch_size <= 8
+
+
 def test_a_build_with_cell_questions_mixes_them_into_a_last_stage(tmp_path, model_cache, distributed):
     overrides = ["sft.demos=16", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8",
                  "sft.micro_batch_size=8", "sft.check_every=2", "sft.max_steps=2", "sft.min_steps=0",

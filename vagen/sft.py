@@ -322,9 +322,10 @@ def cell_question_samples(cfg, encoder, model) -> tuple[list, list, float]:
 
 def cell_stage_settings(sft):
     """`sft` (an SFTConfig) as the cell-question stage trains: `sft.cell_steps` steps, all of them
-    (no early stopping), batches of `sft.cell_batch_size`."""
+    (no early stopping), batches of `sft.cell_batch_size`, a cosine from `sft.lr` to 0 whatever the
+    first stage's schedule (it ends settled, like a converged build)."""
     return dataclasses.replace(sft, max_steps=sft.cell_steps, min_steps=sft.cell_steps, batch_size=sft.cell_batch_size,
-                               micro_batch_size=min(sft.micro_batch_size, sft.cell_batch_size))
+                               micro_batch_size=min(sft.micro_batch_size, sft.cell_batch_size), lr_schedule="cosine")
 
 
 def cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, log=print):
