@@ -123,20 +123,29 @@ def test_perception_settings_enter_the_cache_key_only_when_the_stage_runs(tmp_pa
         assert key("sft.perception_steps=100", change) != staged, change
 
 
-def test_a_build_with_a_perception_stage_records_it(tmp_path, model_cache, distributed):
+def test_a_sokoban_build_runs_perception_demonstrations_and_cell_questions_in_order(tmp_path, model_cache, distributed):
     overrides = ["sft.demos=16", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8",
                  "sft.micro_batch_size=8", "sft.check_every=2", "sft.max_steps=2", "sft.min_steps=0",
                  "sft.perception_steps=4", "sft.perception_levels=16", "sft.perception_batch_size=8",
-                 "rollout.max_turns=2"]
+                 "sft.cell_questions=12", "sft.cell_steps=6", "sft.cell_batch_size=8", "rollout.max_turns=2"]
     cfg = load_config("sokoban_visual", overrides)
     base = resolve_model_path(cfg.model.path, model_cache)
     said = []
     stats = sft.build_warm_start(cfg, base, tmp_path / "ws", "teacher", distributed, log=said.append)
-    assert stats["sft/perception_steps"] == 4 and stats["sft/step"] == 2
+    assert stats["sft/perception_steps"] == 4 and stats["sft/step"] == 6  # the last stage's steps
     assert 0.0 <= stats["sft/perception_accuracy"] <= 1.0 and 0.25 <= stats["sft/perception_majority"] <= 1.0
     assert sum(line.startswith("perception: sft/val_answer_accuracy=") for line in said) == 2  # steps 2 and 4
+    # the demonstrations stage logs between the perception stage and the cell questions
+    last_perception = max(i for i, line in enumerate(said) if line.startswith("perception:"))
+    first_cells = min(i for i, line in enumerate(said) if line.startswith("cells:"))
+    demos = [i for i, line in enumerate(said) if line.startswith("sft/val_answer_accuracy=")]
+    assert demos and last_perception < demos[0] and any(i < first_cells for i in demos)
+    assert [line.split(" held-out")[0] for line in said if "held-out question accuracy" in line] == [
+        "cells: step 2", "cells: step 4", "cells: step 6"]
+    assert 0.0 <= stats["sft/cell_accuracy"] <= 1.0
     state = json.loads((tmp_path / "ws" / sft.STATE_FILE).read_text())
     assert state["sft/perception_steps"] == 4 and state["sft"]["perception_levels"] == 16
+    assert state["sft"]["cell_questions"] == 12
 
 
 def test_the_perception_stage_ends_once_the_model_reads_the_frames_and_warns_if_it_never_does(tmp_path, model_cache, distributed, monkeypatch):
