@@ -1,5 +1,7 @@
-"""Perception questions for the first stage of a warm start: one-turn questions about where things
-are in the env's own frames ("Which row is the player in?"), answered with one digit.
+"""Perception questions for the stages of a warm start: one-turn questions about the env's own frames,
+answered with one digit. The first stage asks where things are ("Which row is the player in?"); the
+last asks what lies on the cells a turn's later moves enter ("What is on the cell the player reaches
+by moving Right, then Down?", `cell_probes`).
 
 A tiny model fine-tuned on demonstrations can learn the answer format and the common moves from the
 text alone and never start reading the frame (the build's frame check says so). These questions
@@ -11,7 +13,9 @@ demonstrations are learned afterwards from that checkpoint (`sft.perception_step
                                objects=("player",), axes=("row",))
     sample = question_sample(encoder, model, probes[0].frame, probes[0].question, probes[0].answer)
 
-Frames are the ones an episode shows: a level's start after a random number of the teacher's moves.
+Frames are the ones an episode shows: for `perception_probes` a level's start after a random number of
+the teacher's moves, for `cell_probes` a level's start with the player moved to a random cell where it
+can stand.
 """
 
 from __future__ import annotations
