@@ -154,7 +154,7 @@ class SFTConfig:
                                 "moving Right, then Down?' mixed into a last stage on the demonstrations "
                                 "(vagen.perception.cell_probes); 0 = no such stage")
     cell_moves: list = _f([1, 2], "how many moves from the player the cell questions look (drawn per question)")
-    cell_steps: int = _f(2000, "optimizer steps of the cell-question stage (new optimizer, sft.lr_schedule)")
+    cell_steps: int = _f(2000, "optimizer steps of the cell-question stage (new optimizer, a cosine from sft.lr)")
     cell_batch_size: int = _f(32, "demonstrations and questions per optimizer step of the cell-question stage")
 
 

@@ -132,14 +132,11 @@ def cell_kind(state: dict, cell: tuple[int, int]) -> int:
     """CELL_ANSWERS digit of `cell` on a FrozenLake or Sokoban `state()` (the env is told by its keys).
     A box on a target is a box: it is what decides a move."""
     rows, cols = state["size"]
-    if "holes" in state:  # FrozenLake
-        kinds = CELL_ANSWERS["frozenlake"]
-        if not (0 <= cell[0] < rows and 0 <= cell[1] < cols):
-            return len(kinds) - 1
-        return 1 if cell in set(map(tuple, state["holes"])) else 2 if cell == tuple(state["goal"]) else 0
-    kinds = CELL_ANSWERS["sokoban"]
+    frozenlake = "holes" in state
     if not (0 <= cell[0] < rows and 0 <= cell[1] < cols):
-        return len(kinds) - 1
+        return len(CELL_ANSWERS["frozenlake" if frozenlake else "sokoban"]) - 1
+    if frozenlake:
+        return 1 if cell in set(map(tuple, state["holes"])) else 2 if cell == tuple(state["goal"]) else 0
     for digit, key in ((1, "walls"), (2, "boxes"), (3, "targets")):
         if cell in set(map(tuple, state[key])):
             return digit
