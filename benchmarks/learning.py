@@ -11,6 +11,7 @@ Writes results.json, table.md and learning.png.
     python benchmarks/learning.py --quick               # 64 levels, 1 seed, 5 minutes per method
     python benchmarks/learning.py --smoke               # a couple of minutes: proves the pipeline runs
     python benchmarks/learning.py --jobs 2 ...          # two runs at once, one thread each
+    python benchmarks/learning.py ... --extend --minutes 45   # the same command, continued to 45 CPU-minutes
 
 CPU-minutes count the training process's CPU time (all threads), evaluation excluded.
 """
@@ -59,6 +60,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch threads (leave a core to others)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="(method, seed) runs at once, each in its own process with --threads threads")
+    parser.add_argument("--extend", action="store_true",
+                        help="continue the RL runs in OUT/results.json from their last checkpoints until --minutes, "
+                             "keeping their evaluations (repeat the command that made them, overrides included)")
     parser.add_argument("--report", action="store_true",
                         help="only rewrite table.md and learning.png from OUT/results.json")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child of --jobs: its result file
@@ -89,19 +93,25 @@ def evaluate(checkpoint, cfg, seeds) -> dict:
             "sampled": held_out_metrics(model, encoder, cfg, seeds, do_sample=True)}
 
 
-def run_rl(name, overrides, warm_start, cfg_name, seed, args, seeds, out: Path, cfg) -> list[dict]:
+def run_rl(name, overrides, warm_start, cfg_name, seed, args, seeds, out: Path, cfg,
+           previous: list[dict] | None = None) -> list[dict]:
     """RL in chunks of `--eval-every` iterations (resumed from the last checkpoint) until the
-    CPU budget is spent; evaluates after each chunk."""
+    CPU budget is spent; evaluates after each chunk. `previous`: the curve of an earlier call,
+    continued from its last checkpoint."""
     from vagen.train import main as train_main
 
     run_name = f"{cfg_name}-{name}-seed{seed}"
-    curve, cpu, iterations = [], 0.0, 0
+    curve = list(previous or [])
+    cpu, iterations = (curve[-1]["cpu_minutes"] * 60, curve[-1]["iteration"]) if curve else (0.0, 0)
+    if curve and not (out / "runs" / run_name / "checkpoints" / f"step_{iterations}").is_dir():
+        raise SystemExit(f"--extend: {run_name} was evaluated at iteration {iterations}, but "
+                         f"{out / 'runs' / run_name / 'checkpoints'} has no step_{iterations} to continue from")
     base = [f"model.path={warm_start}", "model.warm_start=none", f"train.seed={seed}", f"train.run_dir={out / 'runs'}",
             f"train.run_name={run_name}", f"train.save_every={args.eval_every}", "log.progress=false",
             "log.tensorboard=false", *RL_SETTINGS, *args.overrides, *overrides]
     while cpu < args.minutes * 60:
+        resume = ["train.resume=auto"] if iterations else []
         iterations += args.eval_every
-        resume = ["train.resume=auto"] if iterations > args.eval_every else []
         start = time.process_time()
         code = train_main(["--config", cfg_name, *base, f"train.iterations={iterations}", *resume])
         cpu += time.process_time() - start
@@ -151,10 +161,30 @@ def run_more_sft(warm_start, cfg, seed, args, seeds, dist) -> list[dict]:
     return curve
 
 
-def run_method(method, warm_start, cfg_name, cfg, seed, args, seeds, out: Path, dist) -> list[dict]:
+def run_method(method, warm_start, cfg_name, cfg, seed, args, seeds, out: Path, dist,
+               previous: list[dict] | None = None) -> list[dict]:
     if method == "more-SFT":
         return run_more_sft(warm_start, cfg, seed, args, seeds, dist)
-    return run_rl(method, METHODS[method], warm_start, cfg_name, seed, args, seeds, out, cfg)
+    return run_rl(method, METHODS[method], warm_start, cfg_name, seed, args, seeds, out, cfg, previous)
+
+
+def earlier_results(args, out: Path) -> dict:
+    """`--extend`: OUT/results.json, checked against the runs asked for."""
+    path = out / "results.json"
+    if not path.exists():
+        raise SystemExit(f"--extend: no {path}; run the command without --extend first")
+    if "more-SFT" in args.methods:
+        raise SystemExit("--extend continues RL runs from their checkpoints; the more-SFT control keeps none. "
+                         "Leave it out of --methods (e.g. --methods TRICO)")
+    results = json.loads(path.read_text())
+    for env in args.envs:
+        methods = results.get(env, {}).get("methods", {})
+        missing = [f"{m} seed {s}" for m in args.methods for s in range(args.seeds) if str(s) not in methods.get(m, {})]
+        if missing:
+            raise SystemExit(f"--extend: {path} has no {env} curve for {', '.join(missing)}; it holds "
+                             f"{ {m: sorted(c) for m, c in methods.items()} }. Pass the --methods and --seeds "
+                             f"of the command that wrote it")
+    return results
 
 
 def run_in_children(env: str, args, out: Path) -> tuple[dict[str, dict[int, list[dict]]], list[str]]:
@@ -165,10 +195,10 @@ def run_in_children(env: str, args, out: Path) -> tuple[dict[str, dict[int, list
 
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
-    common = ["--envs", env, "--minutes", str(args.minutes), "--eval-n", str(args.eval_n), "--eval-every",
-              str(args.eval_every), "--sft-steps-per-eval", str(args.sft_steps_per_eval), "--threads",
-              str(args.threads), "--out", str(out), *(["--warm-start", args.warm_start] if args.warm_start else []),
-              *args.overrides]
+    common = ["--envs", env, *(["--extend"] if args.extend else []), "--minutes", str(args.minutes), "--eval-n",
+              str(args.eval_n), "--eval-every", str(args.eval_every), "--sft-steps-per-eval",
+              str(args.sft_steps_per_eval), "--threads", str(args.threads), "--out", str(out),
+              *(["--warm-start", args.warm_start] if args.warm_start else []), *args.overrides]
     child_env = {k: v for k, v in os.environ.items() if k not in
                  ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     tasks = [(method, seed) for method in args.methods for seed in range(args.seeds)]
@@ -305,7 +335,8 @@ def main(argv=None) -> int:
     dist = init_distributed()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results, failures = {}, []
+    earlier = earlier_results(args, out) if args.extend else {}
+    results, failures = dict(earlier), []
     given = Path(args.warm_start) if args.warm_start else None
     if given is not None and len(args.envs) != 1:
         raise SystemExit(f"--warm-start is one env's checkpoint, but --envs names {len(args.envs)}: "
@@ -321,26 +352,38 @@ def main(argv=None) -> int:
         if not args.part:
             print(f"== {env}: {len(seeds)} distinct held-out levels", flush=True)
         t0 = time.perf_counter()  # a child of --jobs finds the warm start cached
-        warm_start = given or sft.warm_start_checkpoint(
-            cfg, base_checkpoint(cfg.model), dist)
+        if env in earlier:
+            warm_start = given or Path(earlier[env]["warm_start_path"])
+        else:
+            warm_start = given or sft.warm_start_checkpoint(cfg, base_checkpoint(cfg.model), dist)
         build_minutes = (time.perf_counter() - t0) / 60
+        previous = {m: {int(s): c for s, c in curves.items()}
+                    for m, curves in earlier.get(env, {}).get("methods", {}).items()}
         if args.part:  # a child of --jobs: one (method, seed)
-            curve = run_method(args.methods[0], warm_start, cfg_name, cfg, args.only_seed, args, seeds, out, dist)
+            method = args.methods[0]
+            curve = run_method(method, warm_start, cfg_name, cfg, args.only_seed, args, seeds, out, dist,
+                               previous.get(method, {}).get(args.only_seed))
             Path(args.part).write_text(json.dumps(curve, default=float))
             return 0
-        baselines = scripted_baselines(cfg, seeds)
-        res = {"eval_n": len(seeds), "baselines": baselines, "warm_start_build_minutes": build_minutes,
-               "warm_start_path": str(warm_start), "warm_start": evaluate(warm_start, cfg, seeds), "methods": {}}
+        if env in earlier:  # the baselines, the warm start and the runs not continued were evaluated then
+            res = {**earlier[env], "methods": dict(earlier[env]["methods"])}
+        else:
+            baselines = scripted_baselines(cfg, seeds)
+            res = {"eval_n": len(seeds), "baselines": baselines, "warm_start_build_minutes": build_minutes,
+                   "warm_start_path": str(warm_start), "warm_start": evaluate(warm_start, cfg, seeds), "methods": {}}
+        baselines = res["baselines"]
         print(f"  teacher {baselines['teacher']['success']:.3f}  solver {baselines['solver']['success']:.3f}  "
               f"random {baselines['random']['success']:.3f}  warm start greedy "
               f"{res['warm_start']['greedy']['success']:.3f} (built/loaded in {build_minutes:.1f} min)", flush=True)
         if args.jobs > 1:
-            res["methods"], failed = run_in_children(env, args, out)
+            curves, failed = run_in_children(env, args, out)
+            res["methods"].update(curves)
             failures += [f"{env}: {name}" for name in failed]
         else:
             for method in args.methods:
                 res["methods"][method] = {seed: run_method(method, warm_start, cfg_name, cfg, seed, args, seeds,
-                                                           out, dist) for seed in range(args.seeds)}
+                                                           out, dist, previous.get(method, {}).get(seed))
+                                          for seed in range(args.seeds)}
         results[env] = res
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
     write_report(results, out)

@@ -5,6 +5,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,8 +33,62 @@ def test_a_failed_run_keeps_the_curves_of_the_runs_that_finished(tmp_path, monke
 
     monkeypatch.setattr(subprocess, "Popen", Child)
     args = SimpleNamespace(methods=["TRICO", "PPO", "GRPO"], seeds=1, jobs=2, minutes=1.0, eval_n=8, eval_every=1,
-                           sft_steps_per_eval=2, threads=1, warm_start=None, overrides=[])
+                           sft_steps_per_eval=2, threads=1, warm_start=None, overrides=[], extend=False)
     curves, failed = learning.run_in_children("frozenlake", args, tmp_path)
     assert failed == ["PPO seed 0 (exit 1)"]
     assert curves == {"TRICO": {0: [{"iteration": 20, "method": "TRICO"}]},
                       "GRPO": {0: [{"iteration": 20, "method": "GRPO"}]}}
+
+
+def test_extend_continues_a_run_from_its_last_checkpoint_and_keeps_its_curve(tmp_path, monkeypatch):
+    learning = _learning()
+    import time
+
+    import vagen.train
+
+    clock = {"cpu": 0.0}
+    calls = []
+
+    def train(argv):  # each chunk of 20 iterations costs one CPU-minute
+        calls.append(argv)
+        clock["cpu"] += 60.0
+        return 0
+
+    monkeypatch.setattr(vagen.train, "main", train)
+    monkeypatch.setattr(time, "process_time", lambda: clock["cpu"])
+    monkeypatch.setattr(learning, "evaluate", lambda checkpoint, cfg, seeds: {
+        "greedy": {"success": 0.5, "at": str(checkpoint)}, "sampled": {"success": 0.25}})
+    run = "frozenlake_visual-TRICO-seed0"
+    (tmp_path / "runs" / run / "checkpoints" / "step_40").mkdir(parents=True)
+    previous = [{"iteration": 20, "cpu_minutes": 1.0}, {"iteration": 40, "cpu_minutes": 2.0}]
+    args = SimpleNamespace(minutes=3.5, eval_every=20, overrides=[])
+    curve = learning.run_rl("TRICO", [], "WS", "frozenlake_visual", 0, args, [1, 2], tmp_path, None, previous)
+
+    assert curve[:2] == previous
+    assert [(p["iteration"], p["cpu_minutes"]) for p in curve[2:]] == [(60, 3.0), (80, 4.0)]
+    assert curve[-1]["greedy"]["at"] == str(tmp_path / "runs" / run / "checkpoints" / "step_80" / "actor")
+    assert [[a for a in argv if a.startswith(("train.iterations", "train.resume"))] for argv in calls] == [
+        ["train.iterations=60", "train.resume=auto"], ["train.iterations=80", "train.resume=auto"]]
+
+
+def test_extend_refuses_a_run_without_the_checkpoint_it_would_continue(tmp_path):
+    learning = _learning()
+    args = SimpleNamespace(minutes=3.0, eval_every=20, overrides=[])
+    with pytest.raises(SystemExit, match="evaluated at iteration 40, but .* has no step_40"):
+        learning.run_rl("TRICO", [], "WS", "frozenlake_visual", 0, args, [1], tmp_path, None,
+                        [{"iteration": 40, "cpu_minutes": 2.0}])
+
+
+def test_extend_refuses_runs_the_earlier_results_do_not_hold(tmp_path):
+    learning = _learning()
+    args = learning.parse_args(["--out", str(tmp_path), "--extend", "--envs", "sokoban", "--methods", "TRICO"])
+    with pytest.raises(SystemExit, match="no .*results.json; run the command without --extend first"):
+        learning.earlier_results(args, tmp_path)
+    (tmp_path / "results.json").write_text(json.dumps({"sokoban": {"methods": {"TRICO": {"0": []}}}}))
+    with pytest.raises(SystemExit, match=r"no sokoban curve for TRICO seed 1, TRICO seed 2; it holds \{'TRICO': \['0'\]\}"):
+        learning.earlier_results(args, tmp_path)
+    args.methods = ["TRICO", "more-SFT"]
+    with pytest.raises(SystemExit, match="the more-SFT control keeps none"):
+        learning.earlier_results(args, tmp_path)
+    args.methods, args.seeds = ["TRICO"], 1
+    assert learning.earlier_results(args, tmp_path)["sokoban"]["methods"]["TRICO"] == {"0": []}
