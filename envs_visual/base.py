@@ -171,6 +171,7 @@ class TextActionEnv:
         max_steps: int = 100,
         format_reward: float = 0.5,
         format_penalty: float = 0.0,
+        ineffective_penalty: float = 0.0,
     ):
         check_prompt_format(prompt_format)
         check_choice("render_mode", render_mode, self.render_modes)
@@ -184,6 +185,9 @@ class TextActionEnv:
         self.max_steps = int(max_steps)
         self.format_reward = float(format_reward)
         self.format_penalty = float(format_penalty)
+        if float(ineffective_penalty) < 0:
+            raise ValueError(f"ineffective_penalty must be >= 0 (it is subtracted), got {ineffective_penalty}")
+        self.ineffective_penalty = float(ineffective_penalty)
         self._set_action_names(self.action_names)
         self.seed: int | None = None
         self.steps = 0
@@ -214,6 +218,8 @@ class TextActionEnv:
         if not was_done:
             for action in actions:
                 r, changed = self._apply(action)
+                if not changed:
+                    r -= self.ineffective_penalty
                 reward += r
                 effective |= changed
                 executed.append(action)

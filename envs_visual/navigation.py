@@ -353,6 +353,7 @@ class NavigationEnv(TextActionEnv):
         max_steps: int = 30,
         format_reward: float = 0.5,
         format_penalty: float = 0.0,
+        ineffective_penalty: float = 0.0,
         step_length: float = 0.5,
         rotate_degrees: float = 90.0,
         look_degrees: float = 30.0,
@@ -365,7 +366,8 @@ class NavigationEnv(TextActionEnv):
         fov: float = 90.0,
         eye_height: float = 1.5,
     ):
-        super().__init__(prompt_format, render_mode, max_actions_per_turn, max_steps, format_reward, format_penalty)
+        super().__init__(prompt_format, render_mode, max_actions_per_turn, max_steps, format_reward, format_penalty,
+                         ineffective_penalty)
         self.step_length = _positive("step_length", step_length, 1.0)
         self.rotate_degrees = _positive("rotate_degrees", rotate_degrees, 180.0)
         self.look_degrees = _positive("look_degrees", look_degrees, MAX_PITCH)

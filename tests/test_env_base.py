@@ -209,6 +209,20 @@ def test_format_penalty_applies_to_unparsable_responses_only():
     assert env.step("<think>t</think><answer>Fly</answer>")[1] == pytest.approx(0.0)
 
 
+def test_ineffective_penalty_is_charged_per_move_that_changes_nothing():
+    # The player stands in row 2 of a 4-row room: one Up moves it, the next two walk into the wall.
+    plain, penalised = sokoban(format_reward=0.0), sokoban(format_reward=0.0, ineffective_penalty=0.5)
+    assert plain.step("<think>t</think><answer>Up, Up, Up</answer>")[1] == pytest.approx(-0.3)
+    _, reward, _, _, info = penalised.step("<think>t</think><answer>Up, Up, Up</answer>")
+    assert reward == pytest.approx(-0.3 - 2 * 0.5) and info["actions"] == ["Up", "Up", "Up"]
+    assert penalised.step("<think>t</think><answer>Down</answer>")[1] == pytest.approx(-0.1)
+    lake = envs_visual.make("frozenlake", render_mode="text", format_reward=0.0, ineffective_penalty=0.25)
+    lake.reset(seed=0)
+    assert lake.step("<think>t</think><answer>Up</answer>")[1] == pytest.approx(-0.25)  # off the map from the top row
+    with pytest.raises(ValueError, match="ineffective_penalty must be >= 0"):
+        sokoban(ineffective_penalty=-1.0)
+
+
 def test_non_string_response_never_raises():
     env = sokoban()
     _, reward, _, _, info = env.step(None)
