@@ -300,3 +300,24 @@ def test_a_build_with_cell_questions_mixes_them_into_a_last_stage(tmp_path, mode
     assert 0.0 <= stats["sft/cell_accuracy"] <= 1.0 and 0.25 <= stats["sft/cell_majority"] <= 1.0
     state = json.loads((tmp_path / "ws" / sft.STATE_FILE).read_text())
     assert state["sft"]["cell_questions"] == 12 and "sft/val_answer_accuracy_other_frames" in state
+
+
+def test_a_cells_only_build_continues_a_warm_start_with_the_cell_stage_alone(tmp_path, model_cache, distributed):
+    overrides = ["sft.demos=16", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8",
+                 "sft.micro_batch_size=8", "sft.check_every=2", "sft.max_steps=2", "sft.min_steps=0",
+                 "sft.perception_steps=4", "sft.perception_levels=16", "sft.perception_batch_size=8",
+                 "sft.cell_questions=12", "sft.cell_steps=4", "sft.cell_batch_size=8", "rollout.max_turns=2"]
+    cfg = load_config("sokoban_visual", overrides)
+    base = resolve_model_path(cfg.model.path, model_cache)
+    said = []
+    stats = sft.build_warm_start(cfg, base, tmp_path / "ws", "teacher", distributed, log=said.append, cells_only=True)
+    # no perception stage and no demonstration stage: every check is the cell stage's
+    assert not any(line.startswith("perception:") for line in said) and "sft/perception_steps" not in stats
+    assert [line.split(" held-out")[0] for line in said if "held-out question accuracy" in line] == [
+        "cells: step 2", "cells: step 4"]
+    assert sum(line.startswith("sft/val_answer_accuracy=") for line in said) == 2  # steps 2 and 4, inside the stage
+    state = json.loads((tmp_path / "ws" / sft.STATE_FILE).read_text())
+    assert state["stages"] == "cells" and state["sft/step"] == 4 and state["base"] == str(base)
+    with pytest.raises(ValueError, match="sft.cell_questions=0; set sft.cell_questions"):
+        sft.build_warm_start(load_config("sokoban_visual", overrides + ["sft.cell_questions=0"]), base,
+                             tmp_path / "ws2", "teacher", distributed, cells_only=True)

@@ -2,6 +2,7 @@
 same tokenisation, masks and DeepSpeed engine as RL, with the loss on generated tokens only.
 
     python -m vagen.sft --config frozenlake_visual [--out DIR] [--eval 256] [section.key=value ...]
+    python -m vagen.sft --config sokoban_visual --base WARM_START --cells-only --out DIR sft.cell_steps=1500
 
 Training runs until the answer accuracy on held-out demonstrations (teacher forcing: a turn counts
 when every token of its `<answer>…</answer>` is the model's argmax) stops improving, so the warm
@@ -394,11 +395,17 @@ def warm_start_dir(cfg, base_path: Path, policy: str) -> Path:
     return root / f"{Path(base_path).name}-{cfg.env.name}-{policy}-{cache_key(cfg, base_path, policy)}"
 
 
-def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=print) -> dict[str, float]:
-    """SFT `base_path` on `policy`'s demonstrations and save the result (HF format) to `out`."""
+def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=print,
+                     cells_only: bool = False) -> dict[str, float]:
+    """SFT `base_path` on `policy`'s demonstrations and save the result (HF format) to `out`. With
+    `cells_only`, `base_path` is a warm start already and only the cell-question stage runs on it
+    (its demonstrations are mixed in as in a full build)."""
     from vagen.models import load_policy, set_pixel_bounds
     from vagen.rollout import ChatEncoder
 
+    if cells_only and not cfg.sft.cell_questions:
+        raise ValueError("a cells-only build runs the cell-question stage, but sft.cell_questions=0; "
+                         "set sft.cell_questions (e.g. 3000) or build all stages")
     t0 = time.perf_counter()
     torch.manual_seed(0)
     model, processor = load_policy(Path(base_path), cfg.model.dtype)
@@ -411,11 +418,15 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     data_s = time.perf_counter() - t0
     log(f"warm start: {len(train_samples)} {policy} demonstrations ({sum(d.success for d in train_demos)} "
         f"successful) in {data_s:.1f}s; training on {dist.device}")
-    stats = perception_stage(model, encoder, cfg, dist, log) if cfg.sft.perception_steps else {}
-    engine = sft_engine(model, cfg, dist)
-    stats.update(train_sft(engine, train_samples, val_samples, cfg, encoder.pad_id, dist.device, log=log))
+    stats = {}
+    if not cells_only:
+        if cfg.sft.perception_steps:
+            stats.update(perception_stage(model, encoder, cfg, dist, log))
+        engine = sft_engine(model, cfg, dist)
+        stats.update(train_sft(engine, train_samples, val_samples, cfg, encoder.pad_id, dist.device, log=log))
+        model = engine.module
     if cfg.sft.cell_questions:
-        engine, cell_stats = cell_question_stage(engine.module, encoder, cfg, dist, train_samples, val_samples, log)
+        engine, cell_stats = cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, log)
         stats.update(cell_stats)
     if val_samples and val_samples[0].pixel_values is not None:
         stats.update(frame_dependence(engine.module, val_samples, stats["sft/val_answer_accuracy"], encoder.pad_id,
@@ -427,6 +438,7 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     engine.module.save_pretrained(tmp)
     processor.save_pretrained(tmp)
     (tmp / STATE_FILE).write_text(json.dumps({"base": str(base_path), "policy": policy, "version": VERSION,
+                                              "stages": "cells" if cells_only else "all",
                                               "sft": dataclasses.asdict(cfg.sft), **stats}, indent=1))
     if out.exists():  # a stale partial directory; the lock guarantees nobody else is writing it
         import shutil
@@ -495,6 +507,8 @@ def main(argv=None) -> int:
     parser.add_argument("--base", default=None, help="checkpoint to fine-tune (default: model.path resolved)")
     parser.add_argument("--out", default=None, help="output directory (default: the warm-start cache entry)")
     parser.add_argument("--eval", type=int, default=0, help="then evaluate on N distinct held-out levels")
+    parser.add_argument("--cells-only", action="store_true",
+                        help="--base is a warm start: run only the cell-question stage on it (sft.cell_*)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     from vagen.config import load_config_or_exit
@@ -507,7 +521,9 @@ def main(argv=None) -> int:
     dist = init_distributed()
     base = Path(args.base) if args.base else base_checkpoint(cfg.model)
     out = Path(args.out) if args.out else warm_start_dir(cfg, base, policy)
-    build_warm_start(cfg, base, out, policy, dist)
+    if args.cells_only and not args.base:
+        parser.error("--cells-only continues an existing warm start: name it with --base")
+    build_warm_start(cfg, base, out, policy, dist, cells_only=args.cells_only)
     if args.eval:
         report(cfg, out, args.eval)
     return 0
