@@ -511,6 +511,8 @@ def main(argv=None) -> int:
                         help="--base is a warm start: run only the cell-question stage on it (sft.cell_*)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
+    if args.cells_only and not args.base:
+        parser.error("--cells-only continues an existing warm start: name it with --base")
     from vagen.config import load_config_or_exit
 
     cfg = load_config_or_exit(args.config, args.overrides)
@@ -521,8 +523,6 @@ def main(argv=None) -> int:
     dist = init_distributed()
     base = Path(args.base) if args.base else base_checkpoint(cfg.model)
     out = Path(args.out) if args.out else warm_start_dir(cfg, base, policy)
-    if args.cells_only and not args.base:
-        parser.error("--cells-only continues an existing warm start: name it with --base")
     build_warm_start(cfg, base, out, policy, dist, cells_only=args.cells_only)
     if args.eval:
         report(cfg, out, args.eval)
