@@ -511,8 +511,9 @@ def main(argv=None) -> int:
                         help="--base is a warm start: run only the cell-question stage on it (sft.cell_*)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
-    if args.cells_only and not args.base:
-        parser.error("--cells-only continues an existing warm start: name it with --base")
+    if args.cells_only and not (args.base and args.out):
+        parser.error("--cells-only continues an existing warm start: name it with --base and the result with --out "
+                     "(the cache holds whole builds only)")
     from vagen.config import load_config_or_exit
 
     cfg = load_config_or_exit(args.config, args.overrides)
