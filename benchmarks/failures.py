@@ -14,8 +14,10 @@ action within its turn (first, second, ... of the answer) what the actions did.
   starts from and whether it is word for word the clause the teacher writes in that state (the
   holes read right and the teacher's move chosen).
 - Sokoban: episodes end solved, deadlocked (a push left the level unsolvable) or out of turns with
-  the level still solvable; actions change nothing (a wall, or a box that cannot move), match the
-  teacher's move, lie on an optimal plan (the solver's remaining length drops by one), or deadlock.
+  the level still solvable; actions change nothing (split into walking into a wall and pushing a box
+  that cannot move), match the teacher's move, lie on an optimal plan (the solver's remaining length
+  drops by one), or deadlock; with path reasoning, whether the action's clause names the cell the
+  player stands on.
 The teacher's move is its choice in that state; where it moves at random the draw comes from a fixed
 generator, so even the teacher's own episodes match it less than always.
 """
@@ -80,16 +82,25 @@ def replay_sokoban(cfg, episode, counts: collections.Counter) -> str:
     import envs_visual.sokoban as sokoban
     from vagen.rollout import make_env
 
+    from envs_visual.grid import DIRECTIONS
+
     env = make_env(cfg.env, {"render_mode": "text", "prompt_format": "no_think"})
     env.reset(seed=episode.seed)
     remaining = len(env.solve())
     for turn in episode.turns:
+        clauses = path_clauses(getattr(turn, "response", ""))
         for index, action in enumerate(turn.info.get("actions", [])):
             before = env.state()
+            (r, c), (dr, dc) = before["player"], DIRECTIONS[action]
             counts[index, "actions"] += 1
             counts[index, "teacher"] += action == sokoban.teacher_action(before)
+            if index < len(clauses):  # sft.reasoning=path: does its clause start from where the player stands?
+                counts[index, "where"] += clauses[index].startswith(f"row {r}, column {c}:")
             _, _, terminated, truncated, info = env.step(f"<answer>{action}</answer>")
-            counts[index, "no effect"] += env.state() == before
+            if env.state() == before:
+                counts[index, "no effect"] += 1
+                wall = [r + dr, c + dc] in [list(w) for w in before["walls"]]
+                counts[index, "into a wall" if wall else "box stuck"] += 1
             plan = env.solve()
             counts[index, "optimal"] += plan is not None and len(plan) == remaining - 1
             if plan is None:
@@ -125,8 +136,9 @@ REPLAYS = {
     "frozenlake": (replay_frozenlake, ("goal", "hole", "out of turns"),
                    (("hole", "into a hole"), ("teacher", "teacher's move"), ("shortest", "on a shortest path"))),
     "sokoban": (replay_sokoban, ("solved", "deadlocked", "out of turns"),
-                (("no effect", "no effect"), ("teacher", "teacher's move"), ("optimal", "on an optimal plan"),
-                 ("deadlock", "deadlocks"))),
+                (("no effect", "no effect"), ("into a wall", "of which into a wall"),
+                 ("box stuck", "of which a box that cannot move"), ("teacher", "teacher's move"),
+                 ("optimal", "on an optimal plan"), ("deadlock", "deadlocks"))),
 }
 
 
@@ -169,7 +181,9 @@ def main(argv=None) -> int:
     for side in ("teacher solves", "teacher fails"):
         print(f"| {side} | " + " | ".join(str(ends[side, end]) for end in endings) + " |")
     if any(key == "where" for _, key in counts):
-        columns += (("where", "its clause names the cell"), ("read", "its clause is the teacher's"))
+        columns += (("where", "its clause names the cell"),)
+    if any(key == "read" for _, key in counts):
+        columns += (("read", "its clause is the teacher's"),)
     print("\n| action in turn | actions | " + " | ".join(title for _, title in columns) + " |\n|"
           + " --- |" * (len(columns) + 2))
     for index in sorted({i for i, _ in counts}):
