@@ -80,9 +80,8 @@ def replay_frozenlake(cfg, episode, counts: collections.Counter) -> str:
 def replay_sokoban(cfg, episode, counts: collections.Counter) -> str:
     """Count `episode`'s executed actions by position in their turn; returns how it ended."""
     import envs_visual.sokoban as sokoban
-    from vagen.rollout import make_env
-
     from envs_visual.grid import DIRECTIONS
+    from vagen.rollout import make_env
 
     env = make_env(cfg.env, {"render_mode": "text", "prompt_format": "no_think"})
     env.reset(seed=episode.seed)

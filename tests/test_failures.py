@@ -1,21 +1,10 @@
 import collections
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
+
+from benchmark_scripts import load
 
 from vagen.config import load_config
 from vagen.rollout import make_env
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _failures():
-    spec = importlib.util.spec_from_file_location("failures_benchmark", ROOT / "benchmarks" / "failures.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def turn(clauses: str, actions: list[str]):
@@ -35,7 +24,7 @@ def test_sokoban_replay_splits_moves_that_change_nothing_and_checks_each_clause_
         turn("row 3, column 2: go up. row 1, column 2: push left.", ["Up", "Left"]),
     ])
     counts = collections.Counter()
-    assert _failures().replay_sokoban(cfg, episode, counts) == "out of turns"
+    assert load("failures").replay_sokoban(cfg, episode, counts) == "out of turns"
     assert [counts[i, "actions"] for i in range(3)] == [2, 2, 1]
     assert [counts[i, "no effect"] for i in range(3)] == [1, 1, 0]
     assert (counts[0, "into a wall"], counts[0, "box stuck"]) == (1, 0)

@@ -1,21 +1,14 @@
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmark_scripts import load
 
 
 def _learning():
-    spec = importlib.util.spec_from_file_location("learning_benchmark", ROOT / "benchmarks" / "learning.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load("learning")
 
 
 def test_a_failed_run_keeps_the_curves_of_the_runs_that_finished(tmp_path, monkeypatch):

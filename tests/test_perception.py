@@ -123,12 +123,15 @@ def test_perception_settings_enter_the_cache_key_only_when_the_stage_runs(tmp_pa
         assert key("sft.perception_steps=100", change) != staged, change
 
 
+# a Sokoban build with all three stages, each a few steps long
+SOKOBAN_STAGES = ["sft.demos=16", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8",
+                  "sft.micro_batch_size=8", "sft.check_every=2", "sft.max_steps=2", "sft.min_steps=0",
+                  "sft.perception_steps=4", "sft.perception_levels=16", "sft.perception_batch_size=8",
+                  "sft.cell_questions=12", "sft.cell_batch_size=8", "rollout.max_turns=2"]
+
+
 def test_a_sokoban_build_runs_perception_demonstrations_and_cell_questions_in_order(tmp_path, model_cache, distributed):
-    overrides = ["sft.demos=16", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8",
-                 "sft.micro_batch_size=8", "sft.check_every=2", "sft.max_steps=2", "sft.min_steps=0",
-                 "sft.perception_steps=4", "sft.perception_levels=16", "sft.perception_batch_size=8",
-                 "sft.cell_questions=12", "sft.cell_steps=6", "sft.cell_batch_size=8", "rollout.max_turns=2"]
-    cfg = load_config("sokoban_visual", overrides)
+    cfg = load_config("sokoban_visual", SOKOBAN_STAGES + ["sft.cell_steps=6"])
     base = resolve_model_path(cfg.model.path, model_cache)
     said = []
     stats = sft.build_warm_start(cfg, base, tmp_path / "ws", "teacher", distributed, log=said.append)
@@ -303,10 +306,7 @@ def test_a_build_with_cell_questions_mixes_them_into_a_last_stage(tmp_path, mode
 
 
 def test_a_cells_only_build_continues_a_warm_start_with_the_cell_stage_alone(tmp_path, model_cache, distributed):
-    overrides = ["sft.demos=16", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8",
-                 "sft.micro_batch_size=8", "sft.check_every=2", "sft.max_steps=2", "sft.min_steps=0",
-                 "sft.perception_steps=4", "sft.perception_levels=16", "sft.perception_batch_size=8",
-                 "sft.cell_questions=12", "sft.cell_steps=4", "sft.cell_batch_size=8", "rollout.max_turns=2"]
+    overrides = SOKOBAN_STAGES + ["sft.cell_steps=4"]
     cfg = load_config("sokoban_visual", overrides)
     base = resolve_model_path(cfg.model.path, model_cache)
     said = []
