@@ -98,7 +98,7 @@ def replay_sokoban(cfg, episode, counts: collections.Counter) -> str:
             _, _, terminated, truncated, info = env.step(f"<answer>{action}</answer>")
             if env.state() == before:
                 counts[index, "no effect"] += 1
-                wall = [r + dr, c + dc] in [list(w) for w in before["walls"]]
+                wall = (r + dr, c + dc) in {tuple(w) for w in before["walls"]}
                 counts[index, "into a wall" if wall else "box stuck"] += 1
             plan = env.solve()
             counts[index, "optimal"] += plan is not None and len(plan) == remaining - 1
