@@ -39,6 +39,11 @@ def path_clauses(response: str) -> list[str]:
     return re.findall(r"row \d+, column \d+: [^.]*\.", think)
 
 
+def names_cell(clause: str, cell: tuple[int, int]) -> bool:
+    """Whether a path clause starts from `cell` (row, column)."""
+    return clause.startswith(f"row {cell[0]}, column {cell[1]}:")
+
+
 def replay_frozenlake(cfg, episode, counts: collections.Counter) -> str:
     """Count `episode`'s executed actions by position in their turn; returns how it ended."""
     import numpy as np
@@ -64,7 +69,7 @@ def replay_frozenlake(cfg, episode, counts: collections.Counter) -> str:
             cell, teacher = (r + dr, c + dc), frozenlake.teacher_action(state)
             counts[index, "actions"] += 1
             if index < len(clauses):  # sft.reasoning=path: did its clause name this cell, and read it as the teacher?
-                counts[index, "where"] += clauses[index].startswith(f"row {r}, column {c}:")
+                counts[index, "where"] += names_cell(clauses[index], (r, c))
                 counts[index, "read"] += clauses[index] == frozenlake_path([state], [teacher])["reasoning"]
             counts[index, "hole"] += cell in holes
             counts[index, "teacher"] += action == teacher
@@ -94,7 +99,7 @@ def replay_sokoban(cfg, episode, counts: collections.Counter) -> str:
             counts[index, "actions"] += 1
             counts[index, "teacher"] += action == sokoban.teacher_action(before)
             if index < len(clauses):  # sft.reasoning=path: does its clause start from where the player stands?
-                counts[index, "where"] += clauses[index].startswith(f"row {r}, column {c}:")
+                counts[index, "where"] += names_cell(clauses[index], (r, c))
             _, _, terminated, truncated, info = env.step(f"<answer>{action}</answer>")
             if env.state() == before:
                 counts[index, "no effect"] += 1
