@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -5,6 +7,7 @@ import torch
 import envs_visual
 from envs_visual.base import PROMPT_FORMATS, format_response
 from envs_visual.grid import DIRECTIONS
+from envs_visual.sokoban import teacher_decision
 from vagen.config import load_config
 from vagen.demos import (
     blind_success,
@@ -168,10 +171,43 @@ def test_path_demonstrations_trace_the_moves_of_their_answer(config):
                     verb = "push" if (r + dr, c + dc) in {tuple(b) for b in state["boxes"]} else "go"
                     assert clause.split(": ")[1].startswith(verb + " "), clause
                 env.step(format_response(env.prompt_format, move))
-    with pytest.raises(ValueError, match="unknown demonstration reasoning 'far'; choices: near, path"):
+    with pytest.raises(ValueError, match="unknown demonstration reasoning 'far'; choices: near, path, plan"):
         reasoning("frozenlake", [{}], ["Up"], np.random.default_rng(0), kind="far")
     with pytest.raises(ValueError, match="no path reasoning for env 'countdown'.*sft.reasoning"):
         reasoning("countdown", [{}], ["Up"], np.random.default_rng(0), kind="path")
+
+
+def test_plan_reasoning_names_the_cell_the_teacher_walks_to():
+    # box at (3, 2), target above it: the teacher pushes up from (4, 2) and walks there around the box
+    room = {"size": (6, 6), "boxes": [(3, 2)], "targets": [(2, 2)], "walls": []}
+    states = [{**room, "player": p} for p in [(2, 3), (3, 3), (4, 3)]]
+    assert sokoban_path(states, ["Down", "Down", "Left"], aims=True)["reasoning"] == (
+        "box at row 3, column 2; target at row 2, column 2. row 2, column 3: to row 4, column 2, go down. "
+        "row 3, column 3: to row 4, column 2, go down. row 4, column 3: to row 4, column 2, go left.")
+    # a push, a move that is not the teacher's (e.g. the solver's) and a random move (from (2, 2) no
+    # step gets closer to (4, 2): the box is in the way) read as in the path reasoning
+    pushing, stuck = {**room, "player": (4, 2)}, {**room, "player": (2, 2)}
+    assert sokoban_path([pushing], ["Up"], aims=True)["reasoning"].endswith("row 4, column 2: push up.")
+    assert sokoban_path(states[:1], ["Right"], aims=True)["reasoning"].endswith("row 2, column 3: go right.")
+    assert teacher_decision(stuck, np.random.default_rng(0))[1:] == ("random", None)
+    assert sokoban_path([stuck], ["Right"], aims=True)["reasoning"].endswith("row 2, column 2: go right.")
+
+
+def test_plan_demonstrations_play_the_path_demonstrations_moves():
+    cfg = load_config("sokoban_text")
+    path = collect_demos(cfg.env, "teacher", 30, cfg.rollout.max_turns, kind="path")
+    plan = collect_demos(cfg.env, "teacher", 30, cfg.rollout.max_turns, kind="plan")
+    aims = 0
+    for a, b in zip(path, plan, strict=True):
+        assert (a.seed, a.rewards, a.success) == (b.seed, b.rewards, b.success)
+        for x, y in zip(a.responses, b.responses, strict=True):
+            assert x.split("<answer>")[1] == y.split("<answer>")[1]
+            stripped = re.sub(r"to row \d, column \d, ", "", y)
+            assert stripped == x
+            aims += len(y) > len(x)
+    assert aims > 10
+    with pytest.raises(ValueError, match="no plan reasoning for env 'frozenlake'.*sft.reasoning"):
+        reasoning("frozenlake", [{}], ["Up"], np.random.default_rng(0), kind="plan")
 
 
 def test_different_levels_get_different_reasoning():

@@ -142,7 +142,9 @@ class SFTConfig:
                                      "and state it in the reasoning; false: its default style, unstated")
     reasoning: str = _f("near", "what a demonstration's <think> says: near (where the goal or box is, what is next to "
                                 "the player, the first move) | path (a clause per move of the answer, from the cell it "
-                                "starts on: 'row 0, column 1: hole below, so right.', 'row 4, column 2: push up.')")
+                                "starts on: 'row 0, column 1: hole below, so right.', 'row 4, column 2: push up.') | plan "
+                                "(Sokoban: path, naming the cell the teacher walks to in order to push from it: "
+                                "'row 2, column 3: to row 4, column 2, go down.')")
     perception_steps: int = _f(0, "steps at most of a first stage on questions about the env's frames ('Which row "
                                   "is the box in?', vagen.perception) before the demonstrations; 0 = none")
     perception_levels: int = _f(2000, "levels (one question each) for the perception stage")
@@ -199,7 +201,7 @@ CHOICES = {
     ("model", "warm_start"): ("none", "teacher", "solver"),
     ("env", "render_mode"): ("vision", "text"),
     ("sft", "lr_schedule"): ("constant", "cosine"),
-    ("sft", "reasoning"): ("near", "path"),
+    ("sft", "reasoning"): ("near", "path", "plan"),
     ("env", "prompt_format"): ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling"),
     ("rollout", "backend"): ("hf",),
     ("algo", "adv_estimator"): ("turn_gae", "gae", "grpo"),

@@ -24,6 +24,7 @@ import numpy as np
 
 from envs_visual.base import format_response
 from envs_visual.frozenlake import STYLE_ORDER
+from envs_visual.sokoban import teacher_decision
 from envs_visual.grid import DIRECTIONS
 from vagen.rollout import ChatEncoder, Episode, Turn, eval_seeds, make_env
 
@@ -185,10 +186,13 @@ def frozenlake_path(states: list[dict], actions: list[str], style: str | None = 
     return {"observation": clauses[0], "reasoning": " ".join(clauses)}
 
 
-def sokoban_path(states: list[dict], actions: list[str], style: str | None = None) -> dict[str, str]:
+def sokoban_path(states: list[dict], actions: list[str], style: str | None = None,
+                 aims: bool = False) -> dict[str, str]:
     """Where the boxes and targets are, then one clause per move of the turn from the cell it starts
     on, pushing or going: `box at row 3, column 2; target at row 1, column 2. row 4, column 2: push
-    up. row 3, column 2: go left.`"""
+    up. row 3, column 2: go left.` With `aims` (sft.reasoning=plan), a move by which the teacher
+    walks toward the cell it wants to push from also names that cell: `row 2, column 3: to row 4,
+    column 2, go down.` (below the box, to push it up)."""
     def cells(key, one):
         where = sorted(tuple(x) for x in states[0][key])
         return f"{one if len(where) == 1 else key} at " + " and ".join(f"row {r}, column {c}" for r, c in where)
@@ -196,28 +200,35 @@ def sokoban_path(states: list[dict], actions: list[str], style: str | None = Non
     clauses = [f"{cells('boxes', 'box')}; {cells('targets', 'target')}."]
     for state, action in zip(states, actions):
         r, c = state["player"]
-        clauses.append(f"row {r}, column {c}: {'push' if _pushes(state, action) else 'go'} {action.lower()}.")
+        aim = ""
+        if aims:
+            wanted, mode, cell = teacher_decision(state)
+            if mode == "approach" and wanted == action:
+                aim = f"to row {cell[0]}, column {cell[1]}, "
+        clauses.append(f"row {r}, column {c}: {aim}{'push' if _pushes(state, action) else 'go'} {action.lower()}.")
     return {"observation": clauses[0], "reasoning": " ".join(clauses)}
 
 
 REASONING = {"frozenlake": frozenlake_reasoning, "sokoban": sokoban_reasoning}
 PATH_REASONING = {"frozenlake": frozenlake_path, "sokoban": sokoban_path}
-REASONING_KINDS = ("near", "path")
+PLAN_REASONING = {"sokoban": functools.partial(sokoban_path, aims=True)}
+REASONING_KINDS = ("near", "path", "plan")
 
 
 def reasoning(env_name: str, states: list[dict], actions: list[str], rng: np.random.Generator,
               style: str | None = None, kind: str = "near") -> dict[str, str]:
     """Fields of the <think> block for `actions` taken by a teacher of `style` (None: no style, e.g.
     the solver) in grid env `env_name`, `states[i]` being the state before `actions[i]`. `kind`:
-    near (where the goal is from the turn's first cell, what is next to it, the first move) or path
-    (a clause per move, from the cell it starts on)."""
+    near (where the goal is from the turn's first cell, what is next to it, the first move), path
+    (a clause per move, from the cell it starts on) or plan (path, with the cell the teacher heads
+    for; Sokoban)."""
     if kind not in REASONING_KINDS:
         raise ValueError(f"unknown demonstration reasoning {kind!r}; choices: {', '.join(REASONING_KINDS)}")
-    table = PATH_REASONING if kind == "path" else REASONING
+    table = {"near": REASONING, "path": PATH_REASONING, "plan": PLAN_REASONING}[kind]
     if env_name not in table:
         raise ValueError(f"no {kind} reasoning for env {env_name!r}: it is written for {', '.join(table)}; use "
                          f"one of them, another sft.reasoning, or add a function for it to vagen/demos.py")
-    if kind == "path":
+    if kind != "near":
         return table[env_name](states, actions, style)
     return table[env_name](states[0], actions, rng, style)
 
