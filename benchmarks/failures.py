@@ -18,8 +18,10 @@ action within its turn (first, second, ... of the answer) what the actions did.
   that cannot move), match the teacher's move, lie on an optimal plan (the solver's remaining length
   drops by one), or deadlock; with path reasoning, whether the action's clause names the cell the
   player stands on.
-The teacher's move is its choice in that state; where it moves at random the draw comes from a fixed
-generator, so even the teacher's own episodes match it less than always.
+The teacher's move is its choice in that state. FrozenLake's teacher always has one; where it moves
+at random the draw comes from a fixed generator, so even the teacher's own episodes match it less
+than always. Sokoban's is counted only where it is not random: of the states where the teacher
+would push, and of those where it would step toward the cell it wants to push from.
 """
 
 from __future__ import annotations
@@ -97,7 +99,10 @@ def replay_sokoban(cfg, episode, counts: collections.Counter) -> str:
             before = env.state()
             (r, c), (dr, dc) = before["player"], DIRECTIONS[action]
             counts[index, "actions"] += 1
-            counts[index, "teacher"] += action == sokoban.teacher_action(before)
+            wanted, mode, _ = sokoban.teacher_decision(before)
+            if mode != "random":  # the teacher would push, or step toward the cell it pushes from
+                counts[index, mode] += 1
+                counts[index, "teacher " + mode] += action == wanted
             if index < len(clauses):  # sft.reasoning=path: does its clause start from where the player stands?
                 counts[index, "where"] += names_cell(clauses[index], (r, c))
             _, _, terminated, truncated, info = env.step(f"<answer>{action}</answer>")
@@ -135,13 +140,15 @@ def scripted_episodes(cfg, seeds: list[int], policy: str) -> list:
     return episodes
 
 
-# env: (replay, how episodes end, (count key, column title) per action)
+# env: (replay, how episodes end, (count key, column title[, the count it is a share of: else all actions]) per action)
 REPLAYS = {
     "frozenlake": (replay_frozenlake, ("goal", "hole", "out of turns"),
                    (("hole", "into a hole"), ("teacher", "teacher's move"), ("shortest", "on a shortest path"))),
     "sokoban": (replay_sokoban, ("solved", "deadlocked", "out of turns"),
                 (("no effect", "no effect"), ("into a wall", "of which into a wall"),
-                 ("box stuck", "of which a box that cannot move"), ("teacher", "teacher's move"),
+                 ("box stuck", "of which a box that cannot move"),
+                 ("teacher push", "the teacher's push, where it pushes", "push"),
+                 ("teacher approach", "the teacher's step, where it walks to a pushing cell", "approach"),
                  ("optimal", "on an optimal plan"), ("deadlock", "deadlocks"))),
 }
 
@@ -188,11 +195,15 @@ def main(argv=None) -> int:
         columns += (("where", "its clause names the cell"),)
     if any(key == "read" for _, key in counts):
         columns += (("read", "its clause is the teacher's"),)
-    print("\n| action in turn | actions | " + " | ".join(title for _, title in columns) + " |\n|"
+    print("\n| action in turn | actions | " + " | ".join(title for _, title, *_ in columns) + " |\n|"
           + " --- |" * (len(columns) + 2))
     for index in sorted({i for i, _ in counts}):
         n = counts[index, "actions"]
-        cells = [f"{counts[index, key]} ({counts[index, key] / n:.1%})" for key, _ in columns]
+        cells = []
+        for key, _, *of in columns:
+            total = counts[index, of[0]] if of else n
+            share = f"{counts[index, key] / total:.1%}" if total else "–"
+            cells.append(f"{counts[index, key]} ({share})" if not of else f"{counts[index, key]}/{total} ({share})")
         print(f"| {index + 1} | {n} | " + " | ".join(cells) + " |")
     return 0
 

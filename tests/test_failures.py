@@ -31,3 +31,8 @@ def test_sokoban_replay_splits_moves_that_change_nothing_and_checks_each_clause_
     assert (counts[1, "into a wall"], counts[1, "box stuck"]) == (0, 1)
     assert [counts[i, "where"] for i in range(3)] == [2, 1, 1]
     assert counts[1, "deadlock"] == 0  # the box did not move, the level is still solvable
+    # the teacher would walk up toward (1, 1), above the box, to push it down onto the target: the
+    # agent's third move and its first of the second turn are that step, its others are not
+    assert [counts[i, "approach"] for i in range(3)] == [2, 2, 1]
+    assert [counts[i, "teacher approach"] for i in range(3)] == [1, 0, 1]
+    assert sum(counts[i, "push"] for i in range(3)) == 0
