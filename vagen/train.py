@@ -147,6 +147,24 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _unlink_shm_workspace(rank: int) -> None:
+    """Remove the name of this rank's shared-memory all-reduce workspace once every rank has mapped it.
+
+    DeepSpeed's CPU communication op creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    (66 MB) when all ranks share a machine and never unlinks it, so each run used to leave that much
+    memory behind until reboot. The mappings stay valid after the unlink; the memory goes with the
+    last process that maps it, even one that is killed."""
+    import torch.distributed as torch_dist
+
+    torch_dist.barrier()  # every rank has opened every other rank's workspace by now
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:  # the op was not built, or the ranks span machines
+        pass
+
+
 def init_distributed():
     """Join the process group the DeepSpeed launcher describes (or a group of one under plain
     `python`): gloo and `vagen.run.cpu_threads` threads each on CPU, NCCL with one GPU per rank on GPUs."""
@@ -167,6 +185,8 @@ def init_distributed():
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
+    if not on_gpu:
+        _unlink_shm_workspace(rank)
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
