@@ -1,7 +1,7 @@
 """Throughput of the training loop's two halves against bare Hugging Face / torch baselines,
 measured in one process on the same model and batches.
 
-    python benchmarks/bench_train.py [--config sokoban_visual] [--groups 4] [--group-size 4]
+    python benchmarks/bench_train.py [--config sokoban_visual] [--groups 4] [--group-size 4] [key=value ...]
 
 - rollout: `vagen.rollout.rollout` (batched multi-turn generation + environment steps + image
   processing + bookkeeping), generated tokens per second, against bare `model.generate` on exactly
@@ -139,6 +139,7 @@ def main():
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps a shared machine's noise low)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. model.builtin_layers=4)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from vagen.train import init_distributed, make_engine
@@ -147,7 +148,7 @@ def main():
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, [f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
                                     f"rollout.max_new_tokens={args.max_new_tokens}", "algo.adv_estimator=grpo",
-                                    "train.mini_batch_size=8", "train.micro_batch_size=4"])
+                                    "train.mini_batch_size=8", "train.micro_batch_size=4", *args.overrides])
     model, processor = load_policy(base_checkpoint(cfg.model))
     encoder = ChatEncoder(processor)
     seeds = train_seeds(0, args.groups)

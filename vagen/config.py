@@ -43,6 +43,8 @@ class ModelConfig:
     builtin_position_code: bool = _f(False, "built-in VLM: add a fixed code of its cell's row and column to each "
                                             "image token (vagen.models.image_position_code); other "
                                             "checkpoints ignore it")
+    builtin_layers: int = _f(2, "decoder layers of a built-in model (each changes its cache key and its "
+                                "warm start); other checkpoints ignore it")
     min_pixels: int | None = _f(None, "image processor min_pixels; null = the checkpoint's own")
     max_pixels: int | None = _f(None, "image processor max_pixels; null = the checkpoint's own")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
@@ -239,7 +241,7 @@ def validate(cfg: Config) -> None:
     positive = [("rollout", "env_groups"), ("rollout", "group_size"), ("rollout", "max_turns"),
                 ("rollout", "max_new_tokens"), ("train", "ppo_epochs"), ("train", "mini_batch_size"),
                 ("train", "micro_batch_size"), ("env", "max_actions_per_turn"), ("sft", "batch_size"), ("sft", "max_steps"),
-                ("sft", "micro_batch_size"), ("sft", "length_window")]
+                ("sft", "micro_batch_size"), ("sft", "length_window"), ("model", "builtin_layers")]
     for section, key in positive:
         value = getattr(getattr(cfg, section), key)
         if value < 1:
