@@ -168,3 +168,17 @@ def test_matmul_patch_embedding_leaves_other_modules_alone(tiny_text):
     model = types.SimpleNamespace(model=types.SimpleNamespace(visual=types.SimpleNamespace(patch_embed=embed)))
     assert not matmul_patch_embedding(model)
     assert type(embed) is torch.nn.Module
+
+
+def test_builtin_layers_builds_a_deeper_model_under_its_own_cache_key(tmp_path):
+    from vagen.config import ConfigError, load_config
+    from vagen.models import base_checkpoint
+
+    two = base_checkpoint(load_config("frozenlake_visual", [f"model.builtin_cache={tmp_path}"]).model)
+    four = base_checkpoint(load_config("frozenlake_visual", [f"model.builtin_cache={tmp_path}",
+                                                             "model.builtin_layers=4"]).model)
+    assert two != four
+    assert json.loads((two / "config.json").read_text())["text_config"]["num_hidden_layers"] == 2
+    assert json.loads((four / "config.json").read_text())["text_config"]["num_hidden_layers"] == 4
+    with pytest.raises(ConfigError, match="model.builtin_layers=0 must be >= 1"):
+        load_config("frozenlake_visual", ["model.builtin_layers=0"])
