@@ -264,7 +264,7 @@ def resolve_model_path(path: str, cache_dir: str = "~/.cache/vagen", seed: int =
 
 def base_checkpoint(model_cfg, path: str | None = None) -> Path:
     """`resolve_model_path` for the `model` config section: `path` (default `model.path`) with the
-    section's built-in seed, cache and image position code."""
+    section's built-in seed, cache, depth and image position code."""
     spec = TinySpec(num_layers=model_cfg.builtin_layers, image_position_code=model_cfg.builtin_position_code)
     return resolve_model_path(path or model_cfg.path, model_cfg.builtin_cache, model_cfg.builtin_seed, spec)
 
