@@ -1,10 +1,10 @@
-"""Regenerate the README's figures from a real CPU run:
+"""Regenerate the figures of the README and docs/evaluation.md from a real CPU run:
 
     python scripts/make_readme_figures.py [--config frozenlake_visual] [--iterations 12] [override ...]
 
 Trains the config on this machine (the built-in tiny model, minutes on a laptop CPU), plots its
 curves with `vagen.plot`, evaluates the final checkpoint with videos, and writes two small PNGs into
-assets/readme/: `training_curves.png` (the plot) and `episode_frame.png` (one frame of an episode
+docs/figures/: `training_curves.png` (the plot) and `episode_frame.png` (one frame of an episode
 video, the first one in which the agent executed an action).
 """
 
@@ -25,7 +25,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="frozenlake_visual")
     parser.add_argument("--iterations", type=int, default=12)
-    parser.add_argument("--out", default=str(ROOT / "assets" / "readme"))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "figures"))
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     from PIL import Image
