@@ -1,5 +1,6 @@
-"""Run under the DeepSpeed launcher by tests/test_distributed.py: one PPO update on a fixed batch
-of 16 trajectories split over the ranks, then rank 0 saves the actor's parameters."""
+"""Run under the DeepSpeed launcher by tests/test_distributed.py: `ppo_update` with SGD on the 12
+trajectories of `ppo_reference`, split over the ranks in two ways (equal and unequal shares), then rank
+0 saves the actor's parameters after each."""
 
 import argparse
 import os
@@ -8,16 +9,21 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from ppo_reference import ADVANTAGES, ANSWERS, overrides, sgd_engine  # noqa: E402
 from update_fixtures import answer_samples  # noqa: E402
 
 from vagen.config import load_config  # noqa: E402
 from vagen.models import load_policy, resolve_model_path  # noqa: E402
 from vagen.rollout import ChatEncoder  # noqa: E402
-from vagen.train import init_distributed, make_engine  # noqa: E402
+from vagen.train import init_distributed  # noqa: E402
 from vagen.update import annotate, ppo_update  # noqa: E402
 
-ANSWERS = ["Left", "Right", "Up", "Down", "Left, Up", "Right, Right, Down", "Up", "Down, Left"] * 2
-ADVANTAGES = [1.0, -0.5, 0.25, -1.0, 0.75, -0.25, 0.5, -0.75, -1.0, 0.5, -0.25, 1.0, -0.5, 0.25, -0.75, 0.75]
+# Global mini-batches are {0..7} and {8..11} either way: with mini-batches of 8 over 2 ranks, each rank
+# cuts its share into mini-batches of 4, and mini-batch m is the union of the ranks' m-th.
+SHARES = {
+    "equal": [[0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 10, 11]],  # micro-batches of 2: [2, 1] on each rank
+    "unequal": [[0, 1, 2, 3, 8, 9, 10], [4, 5, 6, 7, 11]],  # [2, 2] and [2, 1]: rank 1 runs a pass of loss 0
+}
 
 
 def main():
@@ -27,20 +33,23 @@ def main():
     parser.add_argument("--cache", required=True)
     args = parser.parse_args()
     dist = init_distributed()
-    torch.manual_seed(0)
-    model, tokenizer = load_policy(resolve_model_path("builtin:tiny-text", args.cache, seed=0))
-    encoder = ChatEncoder(tokenizer)
-    cfg = load_config("bandit_text", ["train.actor_lr=1e-3", "train.mini_batch_size=8", "train.micro_batch_size=2",
-                                      "rollout.group_size=8", "rollout.env_groups=2", "rollout.temperature=1.0"])
-    engine = make_engine(model, cfg, cfg.train.actor_lr, dist)
-    samples = answer_samples(encoder, ANSWERS, ADVANTAGES)
-    # Global mini-batch m is samples[8m : 8m + 8]; rank r holds its r-th share of each mini-batch.
-    share = 8 // dist.world_size
-    mine = [samples[m * 8 + dist.rank * share + i] for m in range(2) for i in range(share)]
-    annotate(mine, engine, None, None, cfg, encoder.pad_id, dist.device)
-    ppo_update(engine, None, mine, cfg, encoder.pad_id, dist.device, world_size=dist.world_size, shuffle=False)
+    assert dist.world_size == 2, dist.world_size
+    path = resolve_model_path("builtin:tiny-text", args.cache, seed=0)
+    cfg = load_config("bandit_text", overrides(mini=8, micro=2))
+    results = {}
+    for case, shares in SHARES.items():
+        model, tokenizer = load_policy(path)
+        encoder = ChatEncoder(tokenizer)
+        engine = sgd_engine(model, cfg, dist)
+        samples = answer_samples(encoder, ANSWERS, ADVANTAGES)
+        mine = [samples[i] for i in shares[dist.rank]]
+        annotate(mine, engine, None, None, cfg, encoder.pad_id, dist.device)
+        metrics = ppo_update(engine, None, mine, cfg, encoder.pad_id, dist.device, world_size=dist.world_size,
+                             shuffle=False)
+        results[case] = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                         "steps": engine.global_steps, "metrics": metrics}
     if dist.rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
+        torch.save(results, args.out)
 
 
 if __name__ == "__main__":

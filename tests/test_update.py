@@ -53,3 +53,106 @@ def test_grpo_advantages_of_a_group_reach_its_tokens(text_policy, distributed):
         generated = sample.extra["advantages"][sample.loss_mask > 0]
         assert torch.allclose(generated, torch.full_like(generated, sign * 0.5 / (0.5773503 + 1e-6)), atol=1e-4)
         assert torch.all(sample.extra["advantages"][sample.loss_mask == 0] == 0)
+
+
+def _stepping(engine) -> list[str]:
+    """Records, per engine.step() call, whether the optimizer stepped ('S') or only accumulated ('.')."""
+    pattern = []
+    step = engine.step
+
+    def recording(*args, **kwargs):
+        before = engine.global_steps
+        step(*args, **kwargs)
+        pattern.append("S" if engine.global_steps > before else ".")
+
+    engine.step = recording
+    return pattern
+
+
+def test_one_optimizer_step_per_minibatch_whatever_its_micro_batch_count(text_policy, distributed):
+    model, encoder = text_policy
+    from ppo_reference import ADVANTAGES, ANSWERS, overrides
+
+    cfg = load_config("bandit_text", overrides(mini=8, micro=4))
+    engine = make_engine(model, cfg, cfg.train.actor_lr, distributed)
+    samples = answer_samples(encoder, ANSWERS, ADVANTAGES)
+    annotate(samples, engine, None, None, cfg, encoder.pad_id, distributed.device)
+    pattern = _stepping(engine)
+    calls = []
+    for _ in range(3):  # 12 trajectories, mini-batches of 8 and 4: micro-batches [2, 1]
+        start = len(pattern)
+        ppo_update(engine, None, samples, cfg, encoder.pad_id, distributed.device, shuffle=False)
+        calls.append("".join(pattern[start:]))
+    assert calls == [".SS", ".SS", ".SS"]
+
+
+def test_ppo_update_equals_a_plain_update_of_whole_minibatches(text_policy, distributed):
+    """Mini-batches of 8 and 4 trajectories in micro-batches of 4 ([2, 1]): the update equals one SGD step
+    per mini-batch on the token mean over the whole mini-batch."""
+    model, encoder = text_policy
+    from ppo_reference import ADVANTAGES, ANSWERS, overrides, reference_update, sgd_engine
+
+    cfg = load_config("bandit_text", overrides(mini=8, micro=4))
+    reference = copy.deepcopy(model)
+    samples = answer_samples(encoder, ANSWERS, ADVANTAGES)
+    engine = sgd_engine(model, cfg, distributed)
+    annotate(samples, engine, None, None, cfg, encoder.pad_id, distributed.device)
+    ppo_update(engine, None, samples, cfg, encoder.pad_id, distributed.device, shuffle=False)
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    reference_update(reference, samples, [list(range(8)), list(range(8, 12))], cfg, encoder.pad_id)
+    moved = 0.0
+    for name, expected in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], expected, atol=1e-6, rtol=0, msg=name)
+        moved = max(moved, float((expected - initial[name]).abs().max()))
+    assert moved > 1e-3
+
+
+def _policy_loss_and_grads(model, batch):
+    from vagen.update import token_logprobs
+
+    model.zero_grad()
+    logprobs, entropies = token_logprobs(model, batch, temperature=0.8, with_entropy=True)
+    mask = batch["sampled_mask"]
+    loss = -(logprobs * mask).sum() / mask.sum() - 0.01 * (entropies * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny_vl):
+    """The shared-prefix forward needs a key/value cache, which transformers does not build while
+    checkpointing in training: the batch then runs whole, with equal results."""
+    from vagen.trajectory import collate
+
+    _, model, processor = tiny_vl
+    encoder = ChatEncoder(processor)
+    samples = answer_samples(encoder, ["Left", "Right, Up", "Down"], [1.0, -1.0, 0.5])
+    batch = collate(samples, encoder.pad_id)
+    plain = copy.deepcopy(model).train()
+    checkpointed = copy.deepcopy(model).train()
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    loss, grads = _policy_loss_and_grads(plain, batch)
+    loss_ckpt, grads_ckpt = _policy_loss_and_grads(checkpointed, batch)
+    torch.testing.assert_close(loss_ckpt, loss, atol=1e-5, rtol=0)
+    assert grads.keys() == grads_ckpt.keys() and len(grads) > 10
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_ckpt[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_logprobs_at_real_vocabulary_size_peak_within_twice_the_bf16_logits():
+    """One forward and backward of a Qwen2.5-VL-shaped bf16 model with the real 151,936-entry vocabulary:
+    the log-probabilities and entropies never hold the whole [positions, vocab] logits in float32."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).parent / "memory_worker.py"
+    # Fixed mmap threshold: freed tensors go back to the system at once, so resident memory follows the
+    # live tensors instead of what malloc keeps in its arenas.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(worker)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert measured["positions"] == 512 and measured["finite"]
+    assert measured["rise"] <= 2 * measured["bf16_logits"], measured

@@ -69,9 +69,14 @@ class RolloutConfig:
     group_size: int = _f(4, "rollouts per level seed (members of a group share the seed)")
     max_turns: int = _f(3, "turns per episode at most")
     max_new_tokens: int = _f(64, "generated tokens per turn at most")
-    temperature: float = _f(0.7, "sampling temperature; 0 = greedy")
-    top_p: float = _f(0.95, "nucleus sampling threshold")
-    top_k: int = _f(0, "top-k sampling; 0 = off (transformers would otherwise use 50)")
+    temperature: float = _f(0.7, "sampling temperature (the update's log-probabilities use the same); 0 = greedy, "
+                                 "which training refuses")
+    top_p: float = _f(1.0, "nucleus sampling threshold; 1 = off, the only setting whose log-probabilities the update "
+                           "reproduces (others need rollout.off_policy_sampling=true)")
+    top_k: int = _f(0, "top-k sampling; 0 = off (transformers would otherwise use 50); like top_p, training needs 0 "
+                       "unless rollout.off_policy_sampling=true")
+    off_policy_sampling: bool = _f(False, "let training rollouts sample with top_p < 1 or top_k > 0, whose truncated "
+                                          "distribution the update's log-probabilities do not model")
     max_trajectory_length: int = _f(4096, "tokens per trajectory at most; whole turns are dropped")
     reuse_cache: bool = _f(True, "keep each episode's keys and values across turns, so a turn feeds only its "
                                  "new tokens; false = transformers' generate over the whole history every turn")
@@ -99,7 +104,12 @@ class AlgoConfig:
     kl_coef: float = _f(0.0, "KL coefficient to the reference model; 0 = no reference model")
     kl_kind: str = _f("k3", "KL estimator: k1 | k2 | k3 | abs")
     kl_in_reward: bool = _f(False, "true: KL as a per-token reward penalty; false: as a loss term")
-    loss_agg: str = _f("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | ...")
+    loss_agg: str = _f("token-mean", "how a mini-batch's per-token losses become one: token-mean (over all its selected "
+                                     "tokens, across micro-batches and ranks) | seq-mean-token-sum | seq-mean-token-mean "
+                                     "| seq-mean-token-sum-norm (token sums / algo.loss_norm_tokens, Dr. GRPO)")
+    loss_norm_tokens: int | None = _f(None, "seq-mean-token-sum-norm: the constant each trajectory's token sum is "
+                                            "divided by, whatever the padding of a micro-batch; null = the most tokens "
+                                            "a trajectory can generate, rollout.max_turns x (rollout.max_new_tokens + 1)")
 
 
 @dataclass
@@ -284,6 +294,17 @@ def validate(cfg: Config) -> None:
     for key in ("gamma", "lam", "gamma_turn", "lam_turn"):
         if not 0.0 <= getattr(algo, key) <= 1.0:
             raise ConfigError(f"algo.{key}={getattr(algo, key)} must be in [0, 1]")
+    if algo.kl_in_reward and algo.kl_coef > 0 and algo.adv_estimator == "grpo":
+        raise ConfigError(
+            "algo.kl_in_reward=true subtracts the KL penalty from per-token rewards, but algo.adv_estimator=grpo "
+            "uses only each trajectory's score, so the penalty would be ignored; set algo.kl_in_reward=false "
+            "(KL as a loss term) or use algo.adv_estimator=turn_gae or gae"
+        )
+    if algo.loss_norm_tokens is not None and algo.loss_norm_tokens < 1:
+        raise ConfigError(f"algo.loss_norm_tokens={algo.loss_norm_tokens} must be >= 1, or null for "
+                          f"rollout.max_turns x (rollout.max_new_tokens + 1)")
+    if ro.top_k < 0:
+        raise ConfigError(f"rollout.top_k={ro.top_k} must be >= 0 (0 = off)")
     if ro.temperature < 0 or not 0 < ro.top_p <= 1:
         raise ConfigError(f"rollout.temperature={ro.temperature} must be >= 0 and rollout.top_p={ro.top_p} in (0, 1]")
     batch = ro.env_groups * ro.group_size
@@ -302,6 +323,47 @@ def validate(cfg: Config) -> None:
             f"model.path={cfg.model.path!r} is not a built-in model{_closest(cfg.model.path, ['builtin:tiny-vl', 'builtin:tiny-text'])} "
             "choices: builtin:tiny-vl, builtin:tiny-text, or a local checkpoint directory"
         )
+
+
+def kept_groups(cfg: Config) -> int:
+    """Level groups an iteration trains after the reward-std filter (all of them without it)."""
+    if cfg.algo.filter_mode == "none":
+        return cfg.rollout.env_groups
+    return max(1, math.ceil(cfg.algo.filter_keep_ratio * cfg.rollout.env_groups - 1e-9))
+
+
+def check_training(cfg: Config) -> None:
+    """Checks that apply to training only (evaluation may decode greedily or with a nucleus)."""
+    ro = cfg.rollout
+    if ro.temperature == 0:
+        raise ConfigError(
+            "rollout.temperature=0 makes training rollouts greedy: the members of a group play identical "
+            "episodes and the update's ratios compare a distribution that was never sampled; set "
+            "rollout.temperature between 0.7 and 1.0 (evaluation is greedy unless eval.do_sample=true)"
+        )
+    if (ro.top_p < 1.0 or ro.top_k > 0) and not ro.off_policy_sampling:
+        raise ConfigError(
+            f"rollout.top_p={ro.top_p} and rollout.top_k={ro.top_k} truncate the sampling distribution, but the "
+            f"update's log-probabilities are those of the whole distribution at rollout.temperature, so every "
+            f"ratio would be off-policy; set rollout.top_p=1.0 rollout.top_k=0, or rollout.off_policy_sampling=true "
+            f"to train on it anyway"
+        )
+    path = CONFIGS_DIR / cfg.train.deepspeed_config
+    if cfg.model.dtype == "bfloat16" and path.exists():
+        import json
+
+        try:
+            bf16 = json.loads(path.read_text()).get("bf16", {}).get("enabled", False)
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise ConfigError(f"train.deepspeed_config={cfg.train.deepspeed_config}: {path} is not a JSON object "
+                              f"of DeepSpeed settings ({err})") from None
+        if not bf16:
+            raise ConfigError(
+                f"model.dtype=bfloat16 with train.deepspeed_config={cfg.train.deepspeed_config}, which does not enable "
+                f"bf16: AdamW would update bfloat16 weights directly and round updates of 1e-6 away; use a config "
+                f"with \"bf16\": {{\"enabled\": true}} (fp32 master weights), e.g. "
+                f"train.deepspeed_config=deepspeed/zero2_bf16.json, or model.dtype=float32"
+            )
 
 
 # -- typed assignment ------------------------------------------------------------------------------

@@ -62,6 +62,10 @@ class Turn:
     info: dict[str, Any]
     span: tuple[int, int]  # [start, end) of the generated ids (closing <|im_end|> included) in Episode.input_ids
     response_length: int  # generated tokens, the closing <|im_end|> included
+    # Whether the policy sampled the closing <|im_end|> itself. When generation stopped at `</answer>`,
+    # at rollout.max_new_tokens or on <|endoftext|>, the <|im_end|> was appended: it ends the turn for
+    # rewards and values but was never drawn, so it gets no policy gradient, entropy or KL.
+    end_sampled: bool = False
 
 
 @dataclass
@@ -144,6 +148,14 @@ class ChatEncoder:
         if cut >= 0:
             text = text[: cut + len("</answer>")]
         return ids + [self.im_end_id], text
+
+    def sampled_end(self, generated: list[int]) -> bool:
+        """Whether the first stop token of `generated` is <|im_end|>, i.e. the turn's closing token was
+        sampled rather than appended by `finish_response`."""
+        for token in generated:
+            if token in self.stop_ids:
+                return token == self.im_end_id
+        return False
 
 
 def batch_generation_inputs(encoder: ChatEncoder, episodes: list[Episode]) -> dict[str, torch.Tensor]:
@@ -251,7 +263,8 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
             next_obs, reward, terminated, truncated, info = env.step(text)
             if on_step is not None:
                 on_step(i, env, info)
-            ep.turns.append(Turn(obs.text, obs.images, text, reward, info, (start, len(ep.input_ids)), len(ids)))
+            ep.turns.append(Turn(obs.text, obs.images, text, reward, info, (start, len(ep.input_ids)), len(ids),
+                                 end_sampled=encoder.sampled_end(new_ids)))
             ep.success = bool(info.get("success", False))
             observations[i] = next_obs
             if terminated or truncated:

@@ -27,8 +27,8 @@ import torch
 from vagen.config import Config, to_yaml
 
 # Metrics that are counts per rank: summed over ranks instead of averaged.
-SUMMED_METRICS = ("rollout/truncated_trajectories", "rollout/generated_tokens", "rollout/filter_kept_groups",
-                  "rollout/filter_total_groups", "rollout/filter_kept_trajectories")
+# Filter metrics are computed over all ranks at once (vagen.update.filter_groups): averaged, not summed.
+SUMMED_METRICS = ("rollout/truncated_trajectories", "rollout/generated_tokens")
 
 
 @dataclass

@@ -26,9 +26,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from vagen.config import load_config_or_exit
+    from vagen.config import ConfigError, check_training, kept_groups, load_config_or_exit
 
     cfg = load_config_or_exit(args.config, args.overrides)  # fails fast, before torch loads
+    try:
+        check_training(cfg)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
 
     dist = init_distributed()
     for key in ("rollout.env_groups", "train.mini_batch_size"):
@@ -37,6 +42,12 @@ def main(argv=None) -> int:
         if value % dist.world_size:
             raise SystemExit(f"config error: {key}={value} must be divisible by the {dist.world_size} ranks "
                              f"(each rank plays and trains an equal share); use a multiple of {dist.world_size}")
+    kept = kept_groups(cfg)
+    if kept < dist.world_size:
+        raise SystemExit(f"config error: algo.filter_keep_ratio={cfg.algo.filter_keep_ratio} keeps {kept} of "
+                         f"rollout.env_groups={cfg.rollout.env_groups} level groups, fewer than the {dist.world_size} "
+                         f"ranks that train them; raise rollout.env_groups or algo.filter_keep_ratio so that at least "
+                         f"{dist.world_size} groups are kept")
     import torch
 
     from vagen import core
@@ -45,7 +56,7 @@ def main(argv=None) -> int:
     from vagen.run import RunDir, reduce_metrics
     from vagen.sft import warm_start_checkpoint
     from vagen.trajectory import episode_to_sample
-    from vagen.update import annotate, batch_indicators, compute_advantages, ppo_update
+    from vagen.update import annotate, batch_indicators, compute_advantages, filter_groups, ppo_update
 
     torch.manual_seed(cfg.train.seed + dist.rank)
     run = RunDir.create(cfg, dist)
@@ -55,8 +66,10 @@ def main(argv=None) -> int:
     path = base_checkpoint(cfg.model)
     path = warm_start_checkpoint(cfg, path, dist)  # SFT on demonstrations when model.warm_start != none
     actor, processor = load_policy(path, cfg.model.dtype)
+    # Non-reentrant checkpointing: gradients reach the weights even where no input requires grad.
+    checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
     if cfg.model.gradient_checkpointing:
-        actor.gradient_checkpointing_enable()
+        actor.gradient_checkpointing_enable(**checkpointing)
     encoder = ChatEncoder(processor)
     if cfg.model.min_pixels or cfg.model.max_pixels:
         set_pixel_bounds(processor, cfg.model.min_pixels, cfg.model.max_pixels)
@@ -65,6 +78,8 @@ def main(argv=None) -> int:
     if use_critic:
         critic_init, _ = load_policy(base_checkpoint(cfg.model, cfg.model.critic_path) if cfg.model.critic_path else path,
                                      cfg.model.dtype)
+        if cfg.model.gradient_checkpointing:
+            critic_init.gradient_checkpointing_enable(**checkpointing)
         critic = ValueModel(critic_init)
     reference = None
     if cfg.algo.kl_coef > 0:
@@ -95,13 +110,11 @@ def main(argv=None) -> int:
         stats.update(rollout_metrics(episodes))
         samples = [episode_to_sample(ep, encoder, actor_engine.module) for ep in episodes]
 
-        # -- filter groups by in-group reward std (StarPO-S) ----------------------------------------------
+        # -- filter groups by in-group reward std over all ranks (StarPO-S), kept groups shared out -------
         scores = torch.tensor([s.score for s in samples])
         group_ids = torch.tensor([s.group_id for s in samples])
-        keep, filter_stats = core.filter_groups_by_reward_std(scores, group_ids, cfg.algo.filter_keep_ratio,
-                                                              cfg.algo.filter_mode)
+        samples, filter_stats = filter_groups(samples, cfg, dist.rank, dist.world_size)
         stats.update({f"rollout/filter_{k}": v for k, v in filter_stats.items()})
-        samples = [samples[i] for i in keep.tolist()]
 
         # -- old log-probs, values, advantages, token selection -------------------------------------------
         t0 = time.perf_counter()

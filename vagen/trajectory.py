@@ -1,7 +1,11 @@
 """From episodes to training tensors: one token sequence per trajectory with its masks.
 
 Per trajectory, aligned with `input_ids` (length L):
-- `loss_mask`     1 on generated tokens (each turn's closing `<|im_end|>` included)
+- `loss_mask`     1 on generated tokens (each turn's closing `<|im_end|>` included): the positions
+                  of values, returns and advantages
+- `sampled_mask`  1 on the tokens the policy drew: `loss_mask` without each closing `<|im_end|>`
+                  that the rollout appended (after `</answer>`, at `max_new_tokens`, or in place of
+                  `<|endoftext|>`); only these get policy gradient, entropy and KL
 - `turn_end_mask` 1 on the last generated token of each turn (its `<|im_end|>`)
 - `answer_mask`   1 on generated tokens overlapping `<answer>…</answer>`
 - `think_mask`    1 on generated tokens overlapping `<think>…</think>`
@@ -22,7 +26,7 @@ import torch
 
 from vagen.rollout import ChatEncoder, Episode
 
-TOKEN_FIELDS = ("loss_mask", "turn_end_mask", "answer_mask", "think_mask", "token_rewards")
+TOKEN_FIELDS = ("loss_mask", "sampled_mask", "turn_end_mask", "answer_mask", "think_mask", "token_rewards")
 
 
 @dataclass
@@ -40,6 +44,11 @@ class Sample:
     score: float
     seed: int
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # old_logprobs, values, advantages, ...
+    sampled_mask: torch.Tensor | None = None  # None: every generated token was sampled (= loss_mask)
+
+    def __post_init__(self):
+        if self.sampled_mask is None:
+            self.sampled_mask = self.loss_mask.clone()
 
     @property
     def length(self) -> int:
@@ -88,6 +97,7 @@ def episode_to_sample(episode: Episode, encoder: ChatEncoder, model=None) -> Sam
     for turn in episode.turns:
         start, end = turn.span
         masks["loss_mask"][start:end] = 1
+        masks["sampled_mask"][start : end if turn.end_sampled else end - 1] = 1
         masks["turn_end_mask"][end - 1] = 1
         masks["token_rewards"][end - 1] = turn.reward
         generated = episode.input_ids[start : end - 1]  # without the closing <|im_end|>
@@ -170,7 +180,14 @@ def cache_argument(module_type: type) -> str:
     return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
 
 
-def forward_shared_prefix(model, inputs: dict[str, torch.Tensor], logits_to_keep: torch.Tensor | None = None):
+def _uses_gradient_checkpointing(module) -> bool:
+    """Training with gradient checkpointing: transformers then refuses to build a key/value cache."""
+    flag = "is_activation_checkpointing" if hasattr(type(module), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(module.training and getattr(module, flag, False))
+
+
+def forward_shared_prefix(model, inputs: dict[str, torch.Tensor], logits_to_keep: torch.Tensor | None = None,
+                          final_hidden: bool = False):
     """`model(**inputs)` on a right-padded batch, with the prefix that all rows share computed once.
 
     Training sequences open with the same system prompt (156 of ~340 tokens for FrozenLake), so the
@@ -178,16 +195,27 @@ def forward_shared_prefix(model, inputs: dict[str, torch.Tensor], logits_to_keep
     the first token where they differ; gradients flow through the repeated cache into the prefix.
     No attention mask is passed: attention is causal and padding is on the right, so real tokens
     never see it (outputs at padding positions are meaningless, as they were with the mask).
+    With gradient checkpointing in training there is no cache to share, and the batch runs whole.
 
     `model` is a causal LM (or its DeepSpeed engine) when `logits_to_keep` is given: 1-D positions,
-    returns `.logits` at them [B, K, V]. Without it, `model` is a backbone: returns its last hidden
-    state [B, L, H].
+    returns `.logits` at them [B, K, V]; or with `final_hidden`: returns the hidden states the LM head
+    reads [B, L, H] (the head itself does not run). Otherwise `model` is a backbone: returns its last
+    hidden state [B, L, H].
     """
     module = getattr(model, "module", model)  # a DeepSpeed engine forwards to .module
     config = module.config
     stop_ids = tuple(getattr(config, name) for name in ("vision_start_token_id", "image_token_id", "video_token_id")
                      if getattr(config, name, None) is not None)
-    extra = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+    if final_hidden:
+        assert logits_to_keep is None, "final_hidden returns hidden states, not logits"
+        extra = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device),
+                 "output_hidden_states": True}
+    else:
+        extra = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+
+    def hidden_of(out):
+        return out.hidden_states[-1] if final_hidden else out.last_hidden_state
+
     input_ids, position_ids = inputs["input_ids"], inputs.get("position_ids")
     batch_size, width = input_ids.shape
     prefix = 0
@@ -196,21 +224,25 @@ def forward_shared_prefix(model, inputs: dict[str, torch.Tensor], logits_to_keep
         lengths = mask.sum(1) if mask is not None else torch.full((batch_size,), width)
         inputs = {k: v for k, v in inputs.items() if k != "attention_mask"}
         limit = int(logits_to_keep.min()) if logits_to_keep is not None and logits_to_keep.numel() else None
-        if batch_size > 1:
+        if batch_size > 1 and not _uses_gradient_checkpointing(module):
             prefix = shared_prefix_length(input_ids, lengths, stop_ids, limit)
     if prefix < MIN_SHARED_PREFIX:
         out = model(**inputs, use_cache=False, **extra)
-        return out.logits if logits_to_keep is not None else out.last_hidden_state
+        return out.logits if logits_to_keep is not None else hidden_of(out)
     head = {"input_ids": input_ids[:1, :prefix], "position_ids": position_ids[..., :1, :prefix]}
     if logits_to_keep is not None:
         head["logits_to_keep"] = 1
+    elif final_hidden:
+        head.update(extra)
     first = model(**head, use_cache=True)
     cache = getattr(first, "cache", None) or first.past_key_values
     cache.batch_repeat_interleave(batch_size)
     rest = dict(inputs, input_ids=input_ids[:, prefix:], position_ids=position_ids[..., prefix:])
     if logits_to_keep is not None:
         rest["logits_to_keep"] = logits_to_keep - prefix
+    elif final_hidden:
+        rest.update(extra)
     out = model(**rest, use_cache=False, **{cache_argument(type(module)): cache})
     if logits_to_keep is not None:
         return out.logits
-    return torch.cat([first.last_hidden_state.expand(batch_size, -1, -1), out.last_hidden_state], dim=1)
+    return torch.cat([hidden_of(first).expand(batch_size, -1, -1), hidden_of(out)], dim=1)

@@ -3,8 +3,8 @@ log-probabilities, entropies, values and reference log-probabilities, compute ad
 PPO epochs of mini-batches (gradient accumulation over micro-batches) on the actor and critic.
 
 The engines passed in are anything with `__call__` (forward), `backward(loss)`, `step()` and
-`set_train_batch_size(n)`: DeepSpeed engines in training (built by `vagen/train.py`), which own the
-optimizer, scheduler, gradient clipping and accumulation boundaries.
+`set_gradient_accumulation_boundary(b)`: DeepSpeed engines in training (built by `vagen/train.py`),
+which own the optimizer, scheduler and gradient clipping; the boundaries are set here.
 """
 
 from __future__ import annotations
@@ -14,31 +14,108 @@ import math
 import torch
 
 from vagen import core
-from vagen.trajectory import Sample, collate, forward_shared_prefix, generated_positions, model_inputs
+from vagen.trajectory import Sample, collate, forward_shared_prefix, model_inputs
 
 
 def chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+# Rows of [positions, vocab] logits that `head_logprobs` computes at once: 1/32 of the positions, at most
+# HEAD_CHUNK_ROWS. A chunk's backward holds several float32 [rows, vocab] tensors (its recomputed logits,
+# softmax and their gradients). Measured on 1,024 positions of a 151,936-entry vocabulary
+# (tests/memory_worker.py): the step's peak rose 0.52x one bf16 logits tensor of all positions with 1/32,
+# 1.85x with 1/8, and 14.5x when the whole logits were computed at once.
+HEAD_CHUNK_FRACTION = 32
+HEAD_CHUNK_ROWS = 1024
+
+
+def _head_chunk(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    logits = lm_head(hidden).float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logprobs = core.logprobs_from_logits(logits[None], targets[None])[0]
+    if not with_entropy:
+        return logprobs, torch.zeros_like(logprobs)
+    return logprobs, core.entropy_from_logits(logits[None])[0]
+
+
+def head_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                  chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities and entropies [P] of `targets` [P] under `lm_head(hidden)` [P, V], a chunk of
+    rows at a time. With gradients each chunk is checkpointed: its logits are freed after the forward
+    and recomputed in backward, so the full [P, V] logits never exist (151,936 vocabulary entries per
+    position for Qwen2.5-VL)."""
+    rows = hidden.shape[0]
+    if rows == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    size = chunk_rows or min(HEAD_CHUNK_ROWS, -(-rows // HEAD_CHUNK_FRACTION))
+    logprobs, entropies = [], []
+    for start in range(0, rows, size):
+        part = (hidden[start : start + size], targets[start : start + size])
+        if torch.is_grad_enabled():
+            lp, ent = torch.utils.checkpoint.checkpoint(_head_chunk, lm_head, *part, temperature, with_entropy,
+                                                        use_reentrant=False)
+        else:
+            lp, ent = _head_chunk(lm_head, *part, temperature, with_entropy)
+        logprobs.append(lp)
+        entropies.append(ent)
+    return torch.cat(logprobs), torch.cat(entropies)
+
+
 def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
     """Log-probabilities [B, L] of the generated tokens of `batch` (on the model's device) given
-    their prefix, and optionally the entropy of the distribution each was drawn from. Only positions
-    where some row generates are computed (only generated tokens are trained); the rest are 0.
+    their prefix, and optionally the entropy of the distribution each was drawn from. Only the
+    positions of generated tokens are computed (they are all that is trained); the rest are 0.
     Logits are divided by the sampling temperature so that ratios compare the distributions that
     were actually sampled."""
     input_ids = batch["input_ids"]
-    positions = generated_positions(batch["loss_mask"])
-    logits = forward_shared_prefix(model, model_inputs(batch), logits_to_keep=positions).float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logprobs = torch.zeros(input_ids.shape, device=logits.device)
-    logprobs[:, positions + 1] = core.logprobs_from_logits(logits, input_ids[:, positions + 1])
+    module = getattr(model, "module", model)
+    hidden = forward_shared_prefix(model, model_inputs(batch), final_hidden=True)
+    rows, positions = batch["loss_mask"][:, 1:].nonzero(as_tuple=True)  # position t predicts token t + 1
+    lp, ent = head_logprobs(module.get_output_embeddings(), hidden[rows, positions],
+                            input_ids[rows, positions + 1], temperature, with_entropy)
+    logprobs = torch.zeros(input_ids.shape, device=hidden.device)
+    logprobs = logprobs.index_put((rows, positions + 1), lp)
     entropies = None
     if with_entropy:
-        entropies = torch.zeros(input_ids.shape, device=logits.device)
-        entropies[:, positions + 1] = core.entropy_from_logits(logits)
+        entropies = torch.zeros(input_ids.shape, device=hidden.device).index_put((rows, positions + 1), ent)
     return logprobs, entropies
+
+
+def _all_reduce(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Sum (or max) over ranks. NCCL reduces CUDA tensors only: CPU values travel through the rank's GPU."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values
+    on = values
+    if torch.distributed.get_backend() == "nccl" and values.device.type != "cuda":
+        on = values.to(torch.device("cuda", torch.cuda.current_device()))
+    torch.distributed.all_reduce(on, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
+    return on.to(values.device)
+
+
+def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    return _all_reduce(values, "sum")
+
+
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+def synced_micro_batches(samples: list, micro_batch_size: int) -> list[list[int] | None]:
+    """This rank's micro-batches (indices into `samples`), padded with None to the largest count of any
+    rank. Under ZeRO-3 every forward gathers parameters collectively, and under ZeRO-2 every backward
+    reduces gradients, so every rank must run as many passes as the busiest; a None is a pass whose
+    result is thrown away (or whose loss is multiplied by 0)."""
+    micro = chunks(list(range(len(samples))), micro_batch_size)
+    most = int(_all_reduce(torch.tensor([len(micro)], dtype=torch.float64), "max")[0])
+    if most and not samples:
+        raise RuntimeError("this rank holds no trajectory while others do, so it has nothing to run its "
+                           "share of the collective passes with; keep at least one level group per rank")
+    return micro + [None] * (most - len(micro))
 
 
 @torch.no_grad()
@@ -46,7 +123,8 @@ def annotate(samples: list[Sample], actor, critic, reference, cfg, pad_id: int, 
     """Store old_logprobs, entropies, values (with a critic) and ref_logprobs (with a reference) on
     each sample's `extra`, trimmed to the sample's length."""
     temperature = cfg.rollout.temperature
-    for group in chunks(samples, cfg.train.micro_batch_size):
+    for indices in synced_micro_batches(samples, cfg.train.micro_batch_size):
+        group = [samples[i] for i in (indices if indices is not None else [0])]
         batch = {k: v.to(device) for k, v in collate(group, pad_id).items()}
         logprobs, entropies = token_logprobs(actor, batch, temperature, with_entropy=True)
         results = {"old_logprobs": logprobs, "entropies": entropies}
@@ -54,20 +132,56 @@ def annotate(samples: list[Sample], actor, critic, reference, cfg, pad_id: int, 
             results["old_values"] = critic(**model_inputs(batch)).float()
         if reference is not None:
             results["ref_logprobs"], _ = token_logprobs(reference, batch, temperature, with_entropy=False)
+        if indices is None:
+            continue
         for row, sample in enumerate(group):
             for name, value in results.items():
                 sample.extra[name] = value[row, : sample.length].cpu()
 
 
-def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks. NCCL reduces CUDA tensors only: CPU values travel through the rank's GPU."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return values
-    on = values
-    if torch.distributed.get_backend() == "nccl" and values.device.type != "cuda":
-        on = values.to(torch.device("cuda", torch.cuda.current_device()))
-    torch.distributed.all_reduce(on)
-    return on.to(values.device)
+def filter_groups(samples: list[Sample], cfg, rank: int = 0, world_size: int = 1) -> tuple[list[Sample], dict]:
+    """StarPO-S over the groups of every rank: keep the groups whose rewards vary most across the whole
+    iteration (not per rank), then share the kept groups out so that ranks hold equal numbers of them
+    (a rank keeps its own groups up to its share; the rest move). Group ids become global
+    (rank * groups per rank + local id), so that GRPO never mixes groups of different ranks."""
+    algo = cfg.algo
+    if world_size > 1:
+        meta: list = [None] * world_size
+        torch.distributed.all_gather_object(meta, ([s.score for s in samples], [s.group_id for s in samples]))
+    else:
+        meta = [([s.score for s in samples], [s.group_id for s in samples])]
+    span = max(max(ids, default=-1) for _, ids in meta) + 1
+    scores = torch.tensor([x for sc, _ in meta for x in sc], dtype=torch.float64)
+    owners = [r for r, (sc, _) in enumerate(meta) for _ in sc]
+    group_ids = torch.tensor([r * span + g for r, (_, ids) in enumerate(meta) for g in ids])
+    keep, stats = core.filter_groups_by_reward_std(scores, group_ids, algo.filter_keep_ratio, algo.filter_mode)
+    kept = sorted({int(group_ids[i]) for i in keep.tolist()})
+    # shares: the first (kept % world) ranks take one group more
+    quota = [len(kept) // world_size + (r < len(kept) % world_size) for r in range(world_size)]
+    home = {g: owners[int((group_ids == g).nonzero()[0])] for g in kept}
+    stays, moving = [], []
+    for r in range(world_size):
+        mine = [g for g in kept if home[g] == r]
+        stays += mine[: quota[r]]
+        moving += mine[quota[r]:]
+    destination = {g: home[g] for g in stays}
+    for r in range(world_size):
+        need = quota[r] - sum(1 for g in stays if home[g] == r)
+        for g in moving[:need]:
+            destination[g] = r
+        moving = moving[need:]
+    for sample in samples:
+        sample.group_id = rank * span + sample.group_id
+    leaving = [s for s in samples if s.group_id in destination and destination[s.group_id] != rank]
+    if world_size > 1:
+        arriving: list = [None] * world_size
+        torch.distributed.all_gather_object(arriving, leaving)
+        incoming = [s for part in arriving for s in part if destination[s.group_id] == rank]
+    else:
+        incoming = []
+    mine = [s for s in samples if destination.get(s.group_id) == rank] + incoming
+    mine.sort(key=lambda s: s.group_id)
+    return mine, stats
 
 
 def global_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -87,12 +201,12 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
     fields = ["old_logprobs", "entropies"] + (["old_values"] if "old_values" in samples[0].extra else [])
     fields += ["ref_logprobs"] if "ref_logprobs" in samples[0].extra else []
     batch = collate(samples, pad_id=0, fields=tuple(fields))
-    loss_mask = batch["loss_mask"]
+    loss_mask, sampled_mask = batch["loss_mask"], batch["sampled_mask"]
     rewards = batch["token_rewards"]
     metrics = {}
     if "ref_logprobs" in batch:
-        kl = core.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], algo.kl_kind) * loss_mask
-        metrics["actor/kl_to_ref"] = float(kl.sum() / loss_mask.sum().clamp(min=1))
+        kl = core.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], algo.kl_kind) * sampled_mask
+        metrics["actor/kl_to_ref"] = float(kl.sum() / sampled_mask.sum().clamp(min=1))
         if algo.kl_in_reward:
             rewards = rewards - algo.kl_coef * kl
     if algo.adv_estimator == "grpo":
@@ -110,7 +224,9 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
         raise ValueError(f"unknown algo.adv_estimator {algo.adv_estimator!r}; choices: turn_gae, gae, grpo")
     if algo.whiten_advantages and algo.adv_estimator != "grpo":
         advantages = global_whiten(advantages, loss_mask)
-    adv_mask = core.select_critical_tokens(loss_mask, batch["answer_mask"], batch["think_mask"],
+    # Only tokens the policy drew get policy gradient: an appended <|im_end|> keeps its advantage (the
+    # turn's value and reward sit there) but is out of adv_mask.
+    adv_mask = core.select_critical_tokens(sampled_mask, batch["answer_mask"], batch["think_mask"],
                                            batch["entropies"], algo.token_selection, algo.top_ratio)
     for row, sample in enumerate(samples):
         n = sample.length
@@ -118,24 +234,51 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
         sample.extra["returns"] = returns[row, :n]
         sample.extra["adv_mask"] = adv_mask[row, :n]
     selected = adv_mask.sum()
-    metrics["actor/selected_token_ratio"] = float(selected / loss_mask.sum().clamp(min=1))
+    metrics["actor/selected_token_ratio"] = float(selected / sampled_mask.sum().clamp(min=1))
     metrics["actor/advantage_mean"] = float((advantages * loss_mask).sum() / loss_mask.sum().clamp(min=1))
     return metrics
+
+
+def loss_norm_tokens(cfg) -> int:
+    """N of seq-mean-token-sum-norm: `algo.loss_norm_tokens`, or the most tokens a trajectory can generate."""
+    return cfg.algo.loss_norm_tokens or cfg.rollout.max_turns * (cfg.rollout.max_new_tokens + 1)
+
+
+def _denominators(samples: list[Sample], indices: list[int], mode: str) -> list[float]:
+    """This rank's part of the mini-batch `indices`' loss denominators: [policy gradient (adv_mask),
+    entropy and KL (sampled_mask), value (loss_mask)]."""
+    out = [0.0, 0.0, 0.0]
+    for i in indices:
+        s = samples[i]
+        for k, mask in enumerate((s.extra["adv_mask"], s.sampled_mask, s.loss_mask)):
+            out[k] += core.loss_denominator(mask[None], mode)
+    return out
 
 
 def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: int, device, world_size: int = 1,
                generator: torch.Generator | None = None, update_actor: bool = True,
                shuffle: bool = True) -> dict[str, float]:
-    """PPO epochs over `samples` (this rank's share). Each mini-batch is `train.mini_batch_size`
-    trajectories across all ranks, processed in micro-batches of `train.micro_batch_size` with one
-    optimizer step at the end of the mini-batch. Returns mean metrics."""
+    """PPO epochs over `samples` (this rank's share) with exactly one optimizer step per mini-batch.
+
+    Each rank cuts its shuffled samples into mini-batches of `train.mini_batch_size / ranks`; the
+    global mini-batch m is the union of every rank's m-th. Its gradient is that of the mini-batch's
+    loss under `algo.loss_agg` over all of it: every micro-batch divides its sum by the mini-batch's
+    global denominator (`core.loss_denominator`, all-reduced), the loss is multiplied by the world size
+    because DeepSpeed averages gradients over ranks, and DeepSpeed's own division by its accumulation
+    steps is off. The optimizer steps at the last micro-batch of each mini-batch, which is set
+    explicitly, whatever the micro-batch counts. Ranks with fewer micro-batches (or mini-batches) run
+    passes of loss 0, so collective operations of ZeRO-2/3 pair up. Returns mean metrics."""
     algo, tr = cfg.algo, cfg.train
     mini_per_rank = max(1, tr.mini_batch_size // world_size)
     fields = ("old_logprobs", "advantages", "adv_mask", "returns")
     fields += ("old_values",) if critic_engine is not None else ()
     fields += ("ref_logprobs",) if (algo.kl_coef > 0 and not algo.kl_in_reward) else ()
+    engines = [e for e in (actor_engine if update_actor else None, critic_engine) if e is not None]
+    norm_tokens = loss_norm_tokens(cfg)
+    norm = {"norm_tokens": norm_tokens, "agg": algo.loss_agg}
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
+    minibatch_losses: dict[str, list[float]] = {}
 
     def add(name, value):
         sums[name] = sums.get(name, 0.0) + float(value)
@@ -143,51 +286,77 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
 
     for _ in range(tr.ppo_epochs):
         order = torch.randperm(len(samples), generator=generator).tolist() if shuffle else list(range(len(samples)))
-        for mini in chunks(order, mini_per_rank):
-            micro = chunks(mini, tr.micro_batch_size)
-            global_batch = len(micro) * tr.micro_batch_size * world_size
-            for engine in (actor_engine if update_actor else None, critic_engine):
-                if engine is not None:
-                    engine.set_train_batch_size(global_batch)
-            boundary_norms: dict[str, float | None] = {}
-            for indices in micro:
+        minis = chunks(order, mini_per_rank)
+        n_minis = int(_all_reduce(torch.tensor([len(minis)], dtype=torch.float64), "max")[0])
+        minis += [[] for _ in range(n_minis - len(minis))]
+        plans = [chunks(m, tr.micro_batch_size) for m in minis]
+        shape = torch.tensor([[len(p)] + _denominators(samples, m, algo.loss_agg) for p, m in zip(plans, minis)],
+                             dtype=torch.float64).reshape(n_minis, 4)
+        most = _all_reduce(shape[:, :1].clone(), "max")[:, 0]
+        denominators = _all_reduce(shape[:, 1:].clone(), "sum")
+        for plan, n_micro, (pg_den, sampled_den, value_den) in zip(plans, most.tolist(), denominators.tolist()):
+            n_micro = int(n_micro)
+            losses = dict.fromkeys(["actor/pg_loss", "actor/entropy"] * update_actor + ["actor/kl_loss"] * (
+                update_actor and "ref_logprobs" in fields) + ["critic/vf_loss"] * (critic_engine is not None), 0.0)
+            norms: dict[str, float | None] = {}
+            for k in range(n_micro):
+                padding = k >= len(plan)
+                indices = plan[k] if not padding else [0]
+                if padding and not samples:
+                    raise RuntimeError("this rank holds no trajectory while others do; keep at least one level "
+                                       "group per rank")
+                weight = 0.0 if padding else float(world_size)
+                boundary = k == n_micro - 1
+                for engine in engines:
+                    engine.set_gradient_accumulation_boundary(boundary)
                 batch = collate([samples[i] for i in indices], pad_id, fields)
-                batch = {k: v.to(device) for k, v in batch.items()}
+                batch = {key: v.to(device) for key, v in batch.items()}
                 inputs = model_inputs(batch)
-                loss_mask = batch["loss_mask"]
+                sampled_mask = batch["sampled_mask"]
                 if update_actor:
                     logprobs, entropies = token_logprobs(actor_engine, batch, cfg.rollout.temperature,
                                                          with_entropy=True)
                     pg_loss, pg_metrics = core.ppo_policy_loss(
                         logprobs, batch["old_logprobs"], batch["advantages"], batch["adv_mask"],
                         clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-                        agg=algo.loss_agg)
-                    entropy = core.aggregate_loss(entropies, loss_mask, algo.loss_agg)
+                        denominator=pg_den, **norm)
+                    entropy = core.aggregate_loss(entropies, sampled_mask, algo.loss_agg, norm_tokens, sampled_den)
                     loss = pg_loss - algo.entropy_coef * entropy
                     if "ref_logprobs" in batch:
                         kl = core.aggregate_loss(core.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl_kind),
-                                                 loss_mask, algo.loss_agg)
+                                                 sampled_mask, algo.loss_agg, norm_tokens, sampled_den)
                         loss = loss + algo.kl_coef * kl
-                        add("actor/kl_loss", kl.item())
-                    actor_engine.backward(loss)
-                    boundary_norms["actor/grad_norm"] = _step(actor_engine, indices is micro[-1])
-                    add("actor/pg_loss", pg_loss.item())
-                    add("actor/entropy", entropy.item())
-                    for key, value in pg_metrics.items():
-                        add(f"actor/{key}", value)
+                        if not padding:
+                            losses["actor/kl_loss"] += kl.item()
+                    actor_engine.backward(loss * weight, scale_wrt_gas=False)
+                    norms["actor/grad_norm"] = _step(actor_engine, boundary)
+                    if not padding:
+                        losses["actor/pg_loss"] += pg_loss.item()
+                        losses["actor/entropy"] += entropy.item()
+                        for key, value in pg_metrics.items():
+                            add(f"actor/{key}", value)
                 if critic_engine is not None:
                     values = critic_engine(**inputs)
-                    vf_loss, vf_metrics = core.value_loss(values, batch["old_values"], batch["returns"], loss_mask,
-                                                          clip=algo.value_clip, agg=algo.loss_agg)
-                    critic_engine.backward(algo.vf_coef * vf_loss)
-                    boundary_norms["critic/grad_norm"] = _step(critic_engine, indices is micro[-1])
-                    add("critic/vf_loss", vf_loss.item())
-                    for key, value in vf_metrics.items():
-                        add(f"critic/{key}", value)
-            for name, norm in boundary_norms.items():
-                if norm is not None and math.isfinite(float(norm)):
-                    add(name, float(norm))
+                    vf_loss, vf_metrics = core.value_loss(values, batch["old_values"], batch["returns"],
+                                                          batch["loss_mask"], clip=algo.value_clip,
+                                                          denominator=value_den, **norm)
+                    critic_engine.backward(algo.vf_coef * vf_loss * weight, scale_wrt_gas=False)
+                    norms["critic/grad_norm"] = _step(critic_engine, boundary)
+                    if not padding:
+                        losses["critic/vf_loss"] += vf_loss.item()
+                        for key, value in vf_metrics.items():
+                            add(f"critic/{key}", value)
+            for name, value in losses.items():
+                minibatch_losses.setdefault(name, []).append(value)
+            for name, value in norms.items():
+                if value is not None and math.isfinite(float(value)):
+                    add(name, float(value))
     metrics = {k: sums[k] / counts[k] for k in sums}
+    # Each rank holds its share of every mini-batch's loss: the sums over ranks are the mini-batch losses.
+    names = sorted(minibatch_losses)
+    if names:
+        totals = _all_reduce(torch.tensor([minibatch_losses[n] for n in names], dtype=torch.float64), "sum")
+        metrics.update({n: float(t.mean()) for n, t in zip(names, totals)})
     if critic_engine is not None:
         metrics["critic/explained_var"] = explained_variance(samples)
     return metrics
@@ -220,7 +389,7 @@ def batch_indicators(scores: torch.Tensor, group_ids: torch.Tensor, samples: lis
     """Collapse indicators of one iteration: in-group reward std over all groups (before filtering),
     entropy over the trained tokens, response length, echoed reasoning across level seeds."""
     entropies = torch.cat([s.extra["entropies"] for s in samples])[None] if samples else torch.zeros(1, 0)
-    mask = torch.cat([s.loss_mask for s in samples])[None] if samples else torch.zeros(1, 0)
+    mask = torch.cat([s.sampled_mask for s in samples])[None] if samples else torch.zeros(1, 0)
     lengths = torch.tensor([float(sum(t.response_length for t in ep.turns)) for ep in episodes])
     thoughts = [" ".join(t.info.get("parsed", {}).get("think", "") for t in ep.turns) for ep in episodes]
     values = core.collapse_indicators(scores, group_ids, entropies, mask, lengths, thoughts,

@@ -10,6 +10,7 @@ from vagen.core.losses import (
     entropy_from_logits,
     kl_penalty,
     logprobs_from_logits,
+    loss_denominator,
     ppo_policy_loss,
     value_loss,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "grpo_advantages",
     "kl_penalty",
     "logprobs_from_logits",
+    "loss_denominator",
     "masked_whiten",
     "ppo_policy_loss",
     "select_critical_tokens",

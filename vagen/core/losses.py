@@ -12,6 +12,7 @@ from vagen.core._checks import check_same_shape, unknown_choice
 __all__ = [
     "AGG_MODES",
     "aggregate_loss",
+    "loss_denominator",
     "ppo_policy_loss",
     "value_loss",
     "kl_penalty",
@@ -23,15 +24,38 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 KL_KINDS = ("k1", "k2", "k3", "abs")
 
 
-def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+def loss_denominator(mask: torch.Tensor, mode: str) -> float:
+    """What `aggregate_loss` divides by: masked-in tokens (token-mean) or sequences with at least one
+    masked-in token (every seq-mean mode).
+
+    A mini-batch spread over micro-batches and data-parallel ranks sums this over all of them and
+    passes the total to each micro-batch's `aggregate_loss(..., denominator=total)`: the micro-batch
+    losses then add up to the loss of the whole mini-batch, whatever its split.
+
+    Args:
+        mask: [B, L] bool or 0/1.
+        mode: one of AGG_MODES.
+    """
+    check_same_shape("loss_denominator", 2, mask=mask)
+    n_tokens = (mask != 0).sum(-1)
+    if mode == "token-mean":
+        return float(n_tokens.sum())
+    if mode in AGG_MODES:
+        return float((n_tokens > 0).sum())
+    raise unknown_choice("loss_denominator", "mode", mode, AGG_MODES)
+
+
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_tokens: int | None = None,
+                   denominator: float | None = None) -> torch.Tensor:
     """Reduce a per-token loss [B, L] to a scalar over the masked-in tokens.
 
     Modes (n_b = masked-in tokens of row b; "sequences" = rows with n_b > 0, S of them):
         token-mean               sum_b sum_t loss / sum_b n_b
         seq-mean-token-sum       (1/S) sum_b sum_t loss
         seq-mean-token-mean      (1/S) sum_b (sum_t loss / n_b)
-        seq-mean-token-sum-norm  (1/S) sum_b (sum_t loss / L), L = mask.shape[-1], a constant
-                                 normaliser independent of response length (Dr.GRPO)
+        seq-mean-token-sum-norm  (1/S) sum_b (sum_t loss / N), N = `norm_tokens`, a constant
+                                 independent of response length and batch shape (Dr. GRPO);
+                                 without it N = mask.shape[-1], the padded width
     Rows with an empty mask contribute nothing and are not counted. An all-empty mask gives
     0 (still connected to the graph of `loss`).
 
@@ -39,25 +63,31 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.T
         loss: [B, L] float.
         mask: [B, L] bool or 0/1.
         mode: one of AGG_MODES.
+        norm_tokens: N of seq-mean-token-sum-norm (e.g. the longest trajectory's generated tokens).
+        denominator: sum_b n_b (token-mean) or S (seq-mean modes) of a larger batch this one is a
+            part of (see `loss_denominator`); None = this batch's own.
 
     Returns:
         0-dim tensor.
     """
     check_same_shape("aggregate_loss", 2, loss=loss, mask=mask)
+    if mode not in AGG_MODES:
+        raise unknown_choice("aggregate_loss", "mode", mode, AGG_MODES)
+    if norm_tokens is not None and not norm_tokens > 0:
+        raise ValueError(f"aggregate_loss: norm_tokens must be > 0 or None, got {norm_tokens!r}")
+    if denominator is not None and not denominator >= 0:
+        raise ValueError(f"aggregate_loss: denominator must be >= 0 or None, got {denominator!r}")
     keep = mask != 0
     masked = torch.where(keep, loss, torch.zeros_like(loss))  # not loss * mask: NaN * 0 is NaN
     n_tokens = keep.sum(-1)
-    n_seqs = (n_tokens > 0).sum().clamp(min=1)
-    if mode == "token-mean":
-        return masked.sum() / n_tokens.sum().clamp(min=1)
-    elif mode == "seq-mean-token-sum":
-        return masked.sum() / n_seqs
+    count = loss_denominator(mask, mode) if denominator is None else denominator
+    count = max(count, 1.0)
+    if mode == "token-mean" or mode == "seq-mean-token-sum":
+        return masked.sum() / count
     elif mode == "seq-mean-token-mean":
-        return (masked.sum(-1) / n_tokens.clamp(min=1)).sum() / n_seqs
-    elif mode == "seq-mean-token-sum-norm":
-        return masked.sum() / (mask.shape[-1] * n_seqs)
-    else:
-        raise unknown_choice("aggregate_loss", "mode", mode, AGG_MODES)
+        return (masked.sum(-1) / n_tokens.clamp(min=1)).sum() / count
+    else:  # seq-mean-token-sum-norm
+        return masked.sum() / ((norm_tokens if norm_tokens is not None else mask.shape[-1]) * count)
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -75,13 +105,15 @@ def ppo_policy_loss(
     clip_high: float = 0.2,
     dual_clip: float | None = 3.0,
     agg: str = "token-mean",
+    norm_tokens: int | None = None,
+    denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with asymmetric clipping (clip-higher) and dual clip.
 
     ratio = exp(clamp(logprobs - old_logprobs, -20, 20)), per token:
         loss = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))
         loss = min(loss, -A * dual_clip)     where A < 0 (dual clip; skipped if dual_clip is None)
-    then aggregated with `aggregate_loss(loss, mask, agg)`.
+    then aggregated with `aggregate_loss(loss, mask, agg, norm_tokens, denominator)`.
 
     Args:
         logprobs: [B, L] current policy log-probs (with grad).
@@ -91,6 +123,7 @@ def ppo_policy_loss(
         clip_low, clip_high: clip range below / above 1 (e.g. clip_high=0.28 for clip-higher).
         dual_clip: c > 1 bounding the loss of negative-advantage tokens at -A * c, or None.
         agg: one of AGG_MODES.
+        norm_tokens, denominator: see `aggregate_loss`.
 
     Returns:
         (loss 0-dim tensor, metrics) with metrics over masked-in tokens:
@@ -118,7 +151,7 @@ def ppo_policy_loss(
         bound = -advantages * dual_clip
         dual_active = (advantages < 0) & (per_token > bound)
         per_token = torch.where(dual_active, bound, per_token)
-    loss = aggregate_loss(per_token, mask, agg)
+    loss = aggregate_loss(per_token, mask, agg, norm_tokens, denominator)
     with torch.no_grad():
         metrics = {
             "clipfrac": _masked_mean((clipped > unclipped).double(), mask),
@@ -135,6 +168,8 @@ def value_loss(
     mask: torch.Tensor,
     clip: float | None = 0.5,
     agg: str = "token-mean",
+    norm_tokens: int | None = None,
+    denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss: 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clamp(V - V_old, +-clip).
 
@@ -145,6 +180,7 @@ def value_loss(
         mask: [B, L] bool or 0/1 (usually loss_mask).
         clip: clip range around old_values, or None for the plain squared error.
         agg: one of AGG_MODES.
+        norm_tokens, denominator: see `aggregate_loss`.
 
     Returns:
         (loss 0-dim tensor, metrics) with clipfrac (fraction of masked-in tokens where the
@@ -160,7 +196,7 @@ def value_loss(
         clipped = plain
     else:
         clipped = (old_values + torch.clamp(values - old_values, -clip, clip) - returns) ** 2
-    loss = aggregate_loss(0.5 * torch.maximum(plain, clipped), mask, agg)
+    loss = aggregate_loss(0.5 * torch.maximum(plain, clipped), mask, agg, norm_tokens, denominator)
     with torch.no_grad():
         metrics = {
             "clipfrac": _masked_mean((clipped > plain).double(), mask),
