@@ -1,6 +1,7 @@
 """Run under the DeepSpeed launcher by tests/test_distributed.py: `ppo_update` with SGD on the 12
-trajectories of `ppo_reference`, split over the ranks in two ways (equal and unequal shares), then rank
-0 saves the actor's parameters after each."""
+trajectories of `ppo_reference`, split over the ranks in two ways (equal and unequal shares), and the
+reward-std filter over both ranks; rank 0 saves the actor's parameters after each update and what each
+rank kept."""
 
 import argparse
 import os
@@ -16,7 +17,7 @@ from vagen.config import load_config  # noqa: E402
 from vagen.models import load_policy, resolve_model_path  # noqa: E402
 from vagen.rollout import ChatEncoder  # noqa: E402
 from vagen.train import init_distributed  # noqa: E402
-from vagen.update import annotate, ppo_update  # noqa: E402
+from vagen.update import annotate, filter_groups, ppo_update  # noqa: E402
 
 # Global mini-batches are {0..7} and {8..11} either way: with mini-batches of 8 over 2 ranks, each rank
 # cuts its share into mini-batches of 4, and mini-batch m is the union of the ranks' m-th.
@@ -34,6 +35,11 @@ def main():
     args = parser.parse_args()
     dist = init_distributed()
     assert dist.world_size == 2, dist.world_size
+    # Rank 1 builds the built-in model (an empty cache) while rank 0 waits: what it writes must be whole,
+    # though transformers' save_pretrained writes nothing on a rank other than 0.
+    if dist.rank == 1:
+        path = resolve_model_path("builtin:tiny-text", args.cache, seed=0)
+    torch.distributed.barrier()
     path = resolve_model_path("builtin:tiny-text", args.cache, seed=0)
     cfg = load_config("bandit_text", overrides(mini=8, micro=2))
     results = {}
@@ -48,6 +54,18 @@ def main():
                              shuffle=False)
         results[case] = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
                          "steps": engine.global_steps, "metrics": metrics}
+    # StarPO-S over both ranks: rank 0's two groups vary, rank 1's do not. Both kept groups start on rank 0,
+    # and one of them moves so that each rank trains one.
+    filter_cfg = load_config("bandit_text", ["rollout.group_size=2", "rollout.env_groups=4", "train.mini_batch_size=4",
+                                             "algo.filter_mode=std", "algo.filter_keep_ratio=0.5"])
+    samples = answer_samples(encoder, ["Left"] * 4, [0.0] * 4)
+    scores = [[0.0, 1.0, 0.0, 3.0], [1.0, 1.0, 2.0, 2.0]][dist.rank]
+    for i, (sample, score) in enumerate(zip(samples, scores)):
+        sample.group_id, sample.score = i // 2, score
+    kept, _ = filter_groups(samples, filter_cfg, dist.rank, dist.world_size)
+    gathered = [None] * dist.world_size
+    torch.distributed.all_gather_object(gathered, [(s.group_id, s.score) for s in kept])
+    results["filter"] = gathered
     if dist.rank == 0:
         torch.save(results, args.out)
 

@@ -266,3 +266,29 @@ def test_entropy_and_logprobs_errors():
         logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match=r"labels must be an integer tensor, got torch.float32"):
         logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 3))
+
+
+def test_seq_mean_token_sum_norm_divides_by_a_constant_not_the_padded_width():
+    loss = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    wider = torch.nn.functional.pad(loss, (0, 6)), torch.nn.functional.pad(mask, (0, 6))
+    # (6 + 4) / (2 sequences * 5 tokens)
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_tokens=5).item() == pytest.approx(1.0)
+    assert aggregate_loss(*wider, "seq-mean-token-sum-norm", norm_tokens=5).item() == pytest.approx(1.0)
+    assert aggregate_loss(*wider, "seq-mean-token-sum-norm").item() != pytest.approx(1.0)  # the width: 10
+
+
+def test_micro_batch_losses_with_the_global_denominator_add_up_to_the_whole_batch():
+    from vagen.core import loss_denominator
+
+    torch.manual_seed(0)
+    loss = torch.rand(6, 5)
+    mask = (torch.rand(6, 5) > 0.4).long()
+    mask[4] = 0  # a row with nothing selected counts in no denominator
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        whole = aggregate_loss(loss, mask, mode, norm_tokens=5)
+        total = loss_denominator(mask, mode)
+        parts = sum(aggregate_loss(loss[i : i + 2], mask[i : i + 2], mode, norm_tokens=5, denominator=total)
+                    for i in (0, 2, 4))
+        assert parts.item() == pytest.approx(whole.item(), abs=1e-6), mode
+        assert loss_denominator(mask, mode) == (float(mask.sum()) if mode == "token-mean" else 5.0)

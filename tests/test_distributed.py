@@ -38,9 +38,10 @@ def _launch(ranks: int, out: Path, cache: str):
     return torch.load(out)
 
 
-def test_two_cpu_ranks_with_equal_and_unequal_shares_match_a_plain_update_of_whole_minibatches(tmp_path, model_cache):
-    results = _launch(2, tmp_path / "two.pt", model_cache)
-    path = resolve_model_path("builtin:tiny-text", model_cache, seed=0)
+def test_two_cpu_ranks_with_equal_and_unequal_shares_match_a_plain_update_of_whole_minibatches(tmp_path):
+    cache = str(tmp_path / "models")  # empty: rank 1 of the run builds the model
+    results = _launch(2, tmp_path / "two.pt", cache)
+    path = resolve_model_path("builtin:tiny-text", cache, seed=0)
     model, tokenizer = load_policy(path)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = load_config("bandit_text", overrides(mini=8, micro=2))
@@ -55,3 +56,5 @@ def test_two_cpu_ranks_with_equal_and_unequal_shares_match_a_plain_update_of_who
             torch.testing.assert_close(result["params"][name], expected, atol=1e-6, rtol=0, msg=f"{case}: {name}")
             moved = max(moved, float((expected - initial[name]).abs().max()))
         assert moved > 1e-3  # the update really changed the parameters
+    # groups are numbered rank * 2 + local id; the two that vary most (rank 0's) are kept, one per rank
+    assert results["filter"] == [[(0, 0.0), (0, 1.0)], [(1, 0.0), (1, 3.0)]]

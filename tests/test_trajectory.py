@@ -203,3 +203,36 @@ def test_one_row_or_no_common_prefix_runs_a_single_forward(tiny_text):
     finally:
         hook.remove()
     assert len(calls) == 1
+
+
+def test_an_appended_im_end_is_a_turn_end_but_not_sampled(tiny_text):
+    """Turn 1 stopped at `</answer>` (the rollout appended <|im_end|>); turn 2 sampled <|im_end|> itself."""
+    _, model, tokenizer = tiny_text
+    encoder = ChatEncoder(tokenizer)
+    im_end, eot = encoder.im_end_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    first = encoder.encode_text("<answer>Left</answer>")
+    second = encoder.encode_text("<answer>Up</answer>") + [im_end]
+    assert not encoder.sampled_end(first) and encoder.sampled_end(second)
+    assert not encoder.sampled_end(encoder.encode_text("<answer>Up</answer>") + [eot, im_end])  # <|endoftext|> replaced
+    episode = Episode("bandit", seed=0, group_id=0, system_prompt="Choose.")
+    spans = []
+    for turn, generated in enumerate((first, second)):
+        ids, _, _ = encoder.user_segment("Which way?", [], first=turn == 0, system="Choose.")
+        episode.input_ids += ids
+        closed, text = encoder.finish_response(generated)
+        start = len(episode.input_ids)
+        episode.input_ids += closed
+        spans.append((start, len(episode.input_ids)))
+        episode.turns.append(Turn("Which way?", [], text, 1.0, {}, spans[-1], len(closed),
+                                  end_sampled=encoder.sampled_end(generated)))
+    sample = episode_to_sample(episode, encoder)
+    (s1, e1), (s2, e2) = spans
+    expected_loss = torch.zeros(sample.length)
+    expected_loss[s1:e1] = 1
+    expected_loss[s2:e2] = 1
+    expected_sampled = expected_loss.clone()
+    expected_sampled[e1 - 1] = 0  # the appended <|im_end|> of turn 1
+    assert sample.input_ids[e1 - 1] == im_end and sample.input_ids[e2 - 1] == im_end
+    assert torch.equal(sample.loss_mask, expected_loss)
+    assert torch.equal(sample.sampled_mask, expected_sampled)
+    assert sample.turn_end_mask[e1 - 1] == 1 and sample.token_rewards[e1 - 1] == 1.0  # still the turn's end

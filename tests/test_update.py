@@ -156,3 +156,36 @@ def test_logprobs_at_real_vocabulary_size_peak_within_twice_the_bf16_logits():
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["positions"] == 512 and measured["finite"]
     assert measured["rise"] <= 2 * measured["bf16_logits"], measured
+
+
+def test_appended_im_end_keeps_its_advantage_but_gets_no_policy_gradient(text_policy, distributed):
+    model, encoder = text_policy
+    cfg = load_config("bandit_text", ["rollout.group_size=4", "rollout.env_groups=1", "train.mini_batch_size=4",
+                                      "algo.adv_estimator=grpo"])
+    samples = answer_samples(encoder, ["Left", "Right", "Left", "Right"], [0, 0, 0, 0])
+    for sample, score in zip(samples, [1.0, 0.0, 1.0, 0.0]):
+        sample.group_id, sample.score = 0, score
+    engine = make_engine(model, cfg, cfg.train.actor_lr, distributed)
+    annotate(samples, engine, None, None, cfg, encoder.pad_id, distributed.device)
+    compute_advantages(samples, cfg)
+    for sample in samples:
+        end = int(sample.turn_end_mask.nonzero()[-1])  # the <|im_end|> that `answer_samples` appended
+        generated = sample.loss_mask.nonzero().squeeze(-1)
+        assert sample.input_ids[end] == encoder.im_end_id and sample.loss_mask[end] == 1
+        assert sample.extra["advantages"][end] != 0 and sample.extra["adv_mask"][end] == 0
+        assert torch.equal(sample.extra["adv_mask"][generated[:-1]], torch.ones(len(generated) - 1))
+
+
+def test_filter_keeps_the_groups_of_highest_reward_std_and_makes_their_ids_global(text_policy):
+    from vagen.update import filter_groups
+
+    _, encoder = text_policy
+    cfg = load_config("bandit_text", ["rollout.group_size=2", "rollout.env_groups=4", "train.mini_batch_size=4",
+                                      "algo.filter_mode=std", "algo.filter_keep_ratio=0.5"])
+    samples = answer_samples(encoder, ["Left"] * 8, [0.0] * 8)
+    scores = [0, 0, 1, 0, 0, 3, 2, 2]  # in-group stds: 0, 0.71, 2.1, 0
+    for i, (sample, score) in enumerate(zip(samples, scores)):
+        sample.group_id, sample.score = i // 2, float(score)
+    kept, stats = filter_groups(samples, cfg, rank=0, world_size=1)
+    assert [s.group_id for s in kept] == [1, 1, 2, 2]
+    assert stats["kept_groups"] == 2 and stats["total_groups"] == 4

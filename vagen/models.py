@@ -154,6 +154,24 @@ def _train_tokenizer(spec: TinySpec):
     return hf
 
 
+def _save_on_any_rank(model: nn.Module, out: Path) -> None:
+    """`model.save_pretrained(out)` as files any process can write: once a process group exists,
+    transformers' `save_pretrained` writes nothing on ranks other than 0, but a built-in is built by
+    whichever rank takes the lock first. Tied weights are stored once, under their first name."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    state, seen = {}, set()
+    for key, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        state[key] = tensor.detach().contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _build_tiny(name: str, out_dir: Path, seed: int, spec: TinySpec) -> None:
     _quiet_transformers()
     from transformers import (
@@ -227,7 +245,7 @@ def _build_tiny(name: str, out_dir: Path, seed: int, spec: TinySpec) -> None:
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
+    _save_on_any_rank(model, tmp)
     processor.save_pretrained(tmp)
     (tmp / "vagen_builtin.json").write_text(json.dumps({"name": name, "seed": seed, **spec.__dict__}))
     os.replace(tmp, out_dir)
