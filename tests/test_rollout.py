@@ -51,3 +51,31 @@ def test_length_limit_drops_whole_turns_and_counts_them(tiny_text):
     assert len(episode.turns) == 1 and episode.truncated_by_length
     assert len(episode.input_ids) == episode.turns[0].span[1] <= cfg.rollout.max_trajectory_length
     assert rollout_metrics(cut)["rollout/truncated_trajectories"] == 1.0
+
+
+def test_generate_ignores_the_checkpoints_own_generation_settings(tiny_text):
+    """Published checkpoints carry sampling settings (Qwen2.5-VL: repetition_penalty 1.05) that
+    transformers would apply to every option a call leaves unset; rollouts must sample as configured."""
+    import copy
+
+    from vagen.rollout import Episode, batch_generation_inputs, generate
+
+    _, model, tokenizer = tiny_text
+    encoder = ChatEncoder(tokenizer)
+    episodes = []
+    for text in ("Which way? Answer Left or Right.", "Push the box up."):
+        episode = Episode("bandit", seed=0, group_id=0, system_prompt="Choose.")
+        episode.input_ids, _, _ = encoder.user_segment(text, [], first=True, system="Choose.")
+        episodes.append(episode)
+    clean = generate(model, encoder, episodes, 12, temperature=0.0, top_p=1.0, top_k=0)
+    penalised = copy.deepcopy(model)
+    penalised.generation_config.repetition_penalty = 50.0
+    penalised.generation_config.no_repeat_ngram_size = 1
+    assert generate(penalised, encoder, episodes, 12, temperature=0.0, top_p=1.0, top_k=0) == clean
+    assert penalised.generation_config.repetition_penalty == 50.0  # the checkpoint keeps its own settings
+    # where transformers applies them, they change what this model decodes
+    batch = batch_generation_inputs(encoder, episodes)
+    with torch.no_grad():
+        raw = penalised.generate(**batch, do_sample=False, max_new_tokens=12, pad_token_id=encoder.pad_id)
+    width = batch["input_ids"].shape[1]
+    assert [row[: len(new)] for row, new in zip(raw[:, width:].tolist(), clean)] != clean

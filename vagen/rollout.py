@@ -191,9 +191,26 @@ def generate(model, encoder: ChatEncoder, episodes: list[Episode], max_new_token
         options.update(temperature=max(temperature, 1e-5), top_p=top_p, top_k=top_k)
     else:
         options.update(temperature=None, top_p=None, top_k=None)
-    out = model.generate(**batch, **options)
+    with neutral_generation_config(model):
+        out = model.generate(**batch, **options)
     new = out[:, batch["input_ids"].shape[1]:].cpu().tolist()
     return new
+
+
+@contextlib.contextmanager
+def neutral_generation_config(model):
+    """Inside, `model.generate` sees no generation settings of the checkpoint's own: transformers fills
+    every option a call leaves unset from `model.generation_config`, and published checkpoints carry
+    sampling settings there (Qwen-VL checkpoints: repetition_penalty 1.05) that the update's
+    log-probabilities would not reproduce. Only the options `generate` is given apply."""
+    from transformers import GenerationConfig
+
+    own = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = own
 
 
 def make_env(cfg_env, seed_env_params: dict | None = None):
