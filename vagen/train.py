@@ -115,6 +115,7 @@ def main(argv=None) -> int:
         group_ids = torch.tensor([s.group_id for s in samples])
         samples, filter_stats = filter_groups(samples, cfg, dist.rank, dist.world_size)
         stats.update({f"rollout/filter_{k}": v for k, v in filter_stats.items()})
+        stats["update/tokens"] = float(sum(s.length for s in samples))  # trajectory tokens this rank trains on
 
         # -- old log-probs, values, advantages, token selection -------------------------------------------
         t0 = time.perf_counter()

@@ -1,0 +1,146 @@
+"""The training loop at the size of a real checkpoint: a Qwen2.5-VL-3B-shaped policy (and critic) with
+random weights, built from a config (nothing downloaded), trained by `vagen.train.main` for a few
+iterations; prints seconds per iteration, rollout generated tokens per second, update tokens per
+second and peak accelerator memory.
+
+    python benchmarks/bench_gpu.py                              # 3B shape, bf16, ZeRO-2, checkpointing
+    python benchmarks/bench_gpu.py --shape tiny --groups 2 --group-size 2 --max-new-tokens 16   # any CPU
+    python benchmarks/bench_gpu.py algo.adv_estimator=grpo     # without a critic (half the optimizer states)
+
+Defaults: `sokoban_visual`, 16 level groups x 8 rollouts, 3 turns, 256 new tokens per turn, bf16
+weights with fp32 master weights (`deepspeed/zero2_bf16.json`), gradient checkpointing, 3 iterations
+(the first is reported apart: it includes allocator and kernel warm-up). The tokenizer and image
+processor are the built-in tiny model's; the model keeps Qwen2.5-VL's 151,936-entry vocabulary, so
+the language-model head, log-probabilities and sampling cost what they cost at 3B. A random policy
+rarely writes `</answer>`, so nearly every turn runs to the token limit: the worst case of a rollout.
+No checkpoint is written (a 3B actor and critic with their optimizer states would take minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Qwen2.5-VL-3B-Instruct's published shape.
+SHAPES = {
+    "3b": {
+        "text": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                     num_key_value_heads=2, vocab_size=151_936, max_position_embeddings=32_768),
+        "mrope_section": [16, 24, 24],
+        "vision": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                       fullatt_block_indexes=[7, 15, 23, 31], window_size=112),
+    },
+    "tiny": None,  # the built-in tiny VLM as it is
+}
+
+
+def build_checkpoint(shape: str, out: Path, cache: str) -> Path:
+    """The built-in tiny VLM's processor with a model of `shape` and random weights, saved at `out`."""
+    import torch
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    from vagen.models import load_policy, resolve_model_path
+
+    tiny = resolve_model_path("builtin:tiny-vl", cache, seed=0)
+    if SHAPES[shape] is None:
+        return tiny
+    spec = SHAPES[shape]
+    config = AutoConfig.from_pretrained(tiny)
+    text = config.get_text_config()
+    for key, value in spec["text"].items():
+        setattr(text, key, value)
+    text.rope_parameters = dict(text.rope_parameters, mrope_section=spec["mrope_section"])
+    text.layer_types = ["full_attention"] * text.num_hidden_layers
+    if getattr(text, "head_dim", None) is not None:
+        text.head_dim = text.hidden_size // text.num_attention_heads
+    for key, value in spec["vision"].items():
+        setattr(config.vision_config, key, value)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    _, processor = load_policy(tiny)
+    processor.save_pretrained(out)
+    del model
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="3b")
+    parser.add_argument("--config", default="sokoban_visual")
+    parser.add_argument("--groups", type=int, default=16, help="level groups per iteration")
+    parser.add_argument("--group-size", type=int, default=8, help="rollouts per level group")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--cache", default="~/.cache/vagen", help="where the built-in tiny model is built")
+    parser.add_argument("overrides", nargs="*", help="further section.key=value overrides")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    import vagen.run
+    from vagen import config as config_module
+    from vagen.train import main as train
+
+    on_gpu = torch.cuda.is_available()
+    work = Path(tempfile.mkdtemp(prefix="vagen_bench_gpu_"))
+    t0 = time.perf_counter()
+    path = build_checkpoint(args.shape, work / "model", args.cache)
+    build_s = time.perf_counter() - t0
+    mini = args.groups * args.group_size // 2
+    overrides = [
+        f"model.path={path}", f"model.dtype={'bfloat16' if on_gpu else 'float32'}",
+        "model.gradient_checkpointing=true",
+        f"train.deepspeed_config=deepspeed/{'zero2_bf16' if on_gpu else 'zero0_fp32'}.json",
+        f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
+        f"rollout.max_turns={args.turns}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        "rollout.max_trajectory_length=8192", f"train.iterations={args.iterations}",
+        f"train.mini_batch_size={mini}", "train.micro_batch_size=4", "eval.every=0",
+        f"train.run_dir={work / 'runs'}", "train.run_name=bench", "log.tensorboard=false", "log.progress=false",
+        f"model.builtin_cache={args.cache}",
+    ]
+    if "warm_start" in {f.name for f in dataclasses.fields(config_module.ModelConfig)}:
+        overrides.append("model.warm_start=none")
+    vagen.run.RunDir.maybe_save = lambda *a, **k: None  # see the module docstring: no checkpoint
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    code = train(["--config", args.config, *overrides, *args.overrides])
+    if code:
+        return code
+    records = [json.loads(line) for line in (work / "runs" / "bench" / "metrics.jsonl").read_text().splitlines()]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")
+
+    def row(name, recs):
+        def total(key):
+            return sum(r.get(key) or 0.0 for r in recs)
+
+        it = total("timing/iteration") / len(recs)
+        generate = total("rollout/generated_tokens") / max(total("timing/generate"), 1e-9)
+        update = total("update/tokens") / max(total("timing/update"), 1e-9)
+        return f"| {name} | {len(recs)} | {it:.1f} | {generate:,.0f} | {update:,.0f} |"
+
+    device = torch.cuda.get_device_name() if on_gpu else "CPU"
+    print(f"\n{args.shape} shape, {args.config}, {args.groups} x {args.group_size} rollouts, {args.turns} turns, "
+          f"{args.max_new_tokens} new tokens, {device}; checkpoint built in {build_s:.0f} s; "
+          f"peak accelerator memory {peak:.1f} GiB")
+    print("| iterations | n | s / iteration | generated tokens / s | update tokens / s |")
+    print("| --- | --- | --- | --- | --- |")
+    print(row("first", records[:1]))
+    if len(records) > 1:
+        print(row("after the first", records[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
