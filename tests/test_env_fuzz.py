@@ -132,3 +132,17 @@ def test_generated_responses_often_parse_and_are_valid():
         valid = sum(info["format_ok"] for info in results)
         rejected = sum(not info["parsed"]["answer"] for info in results)
         assert valid >= 5 and rejected >= 50, (name, valid, rejected)
+
+
+def test_robustness_benchmark_counts_what_it_promises():
+    """benchmarks/robustness.py: its near-misses mostly fail to parse, none raises or acts, and its
+    scripted soak finishes episodes."""
+    from benchmark_scripts import load
+
+    robustness = load("robustness")
+    result = robustness.fuzz("sokoban", 300, seed=1)
+    assert result["errors"] == [] and result["acted"] == 0
+    assert 150 <= result["malformed"] < 300  # near-misses and noise, and some well-formed answers
+    soak = robustness.soak("frozenlake", 20)
+    assert soak["episodes"] == 20 and soak["success"] == 1.0  # the solver solves every level
+    assert 0 < soak["rss_warm"] and soak["steps"] >= 20
