@@ -119,3 +119,84 @@ def test_a_row_stops_at_the_end_of_its_answer_or_at_its_stop_token(tiny_text):
     assert all(mask[1, -1] == 0 for mask in model.masks[stopped_at:])
     assert all(mask[0, -1] == 1 for mask in model.masks[1:len(answer)])
     assert model.calls == len(answer)  # no forward pass after the last row stopped
+
+
+class HostCopies(torch.overrides.TorchFunctionMode):
+    """Records every copy to the host, and every sort, of a tensor as wide as the vocabulary."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.vocab_size, self.copies, self.sorts = vocab_size, [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if tensor is not None and tensor.dim() > 0 and tensor.shape[-1] == self.vocab_size:
+            name = getattr(func, "__name__", str(func))
+            to_host = name in ("cpu", "numpy", "tolist", "item") or (
+                name == "to" and any(str(a).startswith("cpu") for a in [*args[1:], kwargs.get("device")]))
+            if to_host:
+                self.copies.append((name, tuple(tensor.shape)))
+            if name in ("sort", "argsort"):
+                self.sorts.append((name, tuple(tensor.shape)))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_tokens_are_drawn_where_the_logits_are(tiny_text, top_p):
+    _, model, tokenizer = tiny_text
+    encoder = ChatEncoder(tokenizer)
+    episodes = [_episode(encoder, "Left is free."), _episode(encoder, "Up is a wall."), _episode(encoder, "Go.")]
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    recorder = HostCopies(vocab_size)
+    torch.manual_seed(0)
+    with recorder:
+        out = TurnGenerator(model, encoder).generate(episodes, [0, 1, 2], 6, temperature=1.0, top_p=top_p, top_k=0)
+    assert all(len(ids) > 0 for ids in out)
+    # Only the drawn ids leave the model's device, never a [rows, vocab] tensor (0.23 s a step at 32 rows).
+    assert recorder.copies == [], f"[rows, vocab] tensors copied to the host: {recorder.copies}"
+    if top_p == 1.0:  # without nucleus truncation nothing needs the vocabulary in order
+        assert recorder.sorts == [], f"full-vocabulary sorts with top_p=1, top_k=0: {recorder.sorts}"
+
+
+def test_a_seed_gives_the_same_draws_and_another_seed_other_draws(tiny_text):
+    _, model, tokenizer = tiny_text
+    encoder = ChatEncoder(tokenizer)
+
+    def draw(seed):
+        episodes = [_episode(encoder, "Left is free."), _episode(encoder, "Up is a wall.")]
+        torch.manual_seed(seed)
+        return TurnGenerator(model, encoder).generate(episodes, [0, 1], 8, temperature=1.0, top_p=1.0, top_k=0)
+
+    first = draw(1)
+    assert draw(1) == first
+    assert draw(2) != first  # the draws come from torch's seeded generator, nothing else
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_on_a_gpu_the_draws_are_those_of_generate(tiny_vl, top_p):
+    import copy
+
+    from vagen.rollout import generate, make_env
+
+    _, model, processor = tiny_vl
+    model = copy.deepcopy(model).to("cuda")
+    encoder = ChatEncoder(processor)
+    env = make_env(load_config("frozenlake_visual", []).env)
+    episodes = []
+    for seed in (1, 2, 3):
+        obs, _ = env.reset(seed=seed)
+        episode = Episode("frozenlake", seed, 0, env.system_prompt())
+        ids, pixels, grids = encoder.user_segment(obs.text, obs.images, first=True, system=episode.system_prompt)
+        episode.input_ids, episode.pixel_values, episode.image_grid_thw = ids, pixels, grids
+        episodes.append(episode)
+    options = dict(max_new_tokens=12, temperature=1.0, top_p=top_p, top_k=0)
+    torch.manual_seed(5)
+    expected = generate(model, encoder, episodes, **options)
+    recorder = HostCopies(model.get_output_embeddings().weight.shape[0])
+    torch.manual_seed(5)
+    with recorder:
+        drawn = TurnGenerator(model, encoder).generate(episodes, [0, 1, 2], **options)
+    assert drawn == expected
+    assert recorder.copies == [], f"[rows, vocab] tensors copied to the host: {recorder.copies}"

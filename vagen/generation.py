@@ -11,13 +11,62 @@ left-padded to a common width and each decoding step feeds a padding token to ro
 those slots are masked out for every later query, and positions are always the ones the model's
 own rope-index function gives the unpadded sequence, so a token's keys and values are exactly those
 that the training forward pass computes for it. Episodes that end are dropped from the cache.
+
+Tokens are drawn on the model's device: the last position's logits never leave it, and only the drawn
+ids (one per row) come back to decide which rows stop.
+
+Under DeepSpeed ZeRO-3 every forward pass is collective (each layer gathers its parameters from all
+ranks), while how many passes a rank needs depends on its data: how many tokens its rows decode before
+they stop, how many turns its episodes last. `Lockstep` keeps the ranks together, as transformers'
+`synced_gpus` does: a rank that is done keeps running idle forward passes, with the same modules in the
+same order as the others' (the vision tower included when another rank feeds frames), until every rank
+is done.
 """
 
 from __future__ import annotations
 
 import torch
+from PIL import Image
 
 STOP_STRING = "</answer>"
+
+
+class Lockstep:
+    """Whether forward passes of `model` must run on all ranks together, and the agreement between
+    ranks that keeps them so.
+
+    On when the model's parameters are partitioned by DeepSpeed ZeRO-3 (it marks them with `ds_id`)
+    over a process group of more than one rank; otherwise every method is local and communicates
+    nothing."""
+
+    def __init__(self, model):
+        import torch.distributed as dist
+
+        first = next(model.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.on = (first is not None and hasattr(first, "ds_id") and dist.is_available() and dist.is_initialized()
+                   and dist.get_world_size() > 1)
+
+    def any(self, *flags: bool) -> list[bool]:
+        """Each flag: whether it holds on any rank (a collective call when on)."""
+        if not self.on:
+            return [bool(f) for f in flags]
+        import torch.distributed as dist
+
+        values = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in values.tolist()]
+
+
+def idle_inputs(encoder, with_image: bool) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """Token ids, pixel values and grids of a stand-in input for a rank's idle forward pass: one padding
+    token, or one small frame when the other ranks run the vision tower."""
+    if not with_image:
+        return [encoder.pad_id], [], []
+    pixel_values, grids = encoder.images_to_inputs([Image.new("RGB", (56, 56))])
+    n = int(grids[0].prod()) // encoder.merge**2
+    ids = encoder.encode_text("<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>")
+    return ids, pixel_values, grids
 
 
 class TurnGenerator:
@@ -32,13 +81,15 @@ class TurnGenerator:
         from vagen.trajectory import cache_argument
 
         self.model, self.encoder = model, encoder
+        self.lockstep = Lockstep(model)
+        self.device = self.lockstep.device
         self.cache_arg = cache_argument(type(model))
         self.cache = None
         self.rows: list[int] = []  # rollout index of the episode in each cache row
         self.mask: torch.Tensor | None = None  # [rows, slots]: 1 where a slot holds one of the row's tokens
         self.fed: dict[int, list[int]] = {}  # per episode: the ids whose keys and values are in the cache
         self.fed_images: dict[int, int] = {}  # per episode: how many of its images are in the cache
-        self.suppress = torch.tensor(encoder.suppress_ids, dtype=torch.long)
+        self.suppress = torch.tensor(encoder.suppress_ids, dtype=torch.long, device=self.device)
         self.token_text: dict[int, str] = {}
 
     def _text(self, token: int) -> str:
@@ -46,22 +97,24 @@ class TurnGenerator:
             self.token_text[token] = self.encoder.tokenizer.decode([token], skip_special_tokens=True)
         return self.token_text[token]
 
-    def _positions(self, episode) -> torch.Tensor:
-        """Positions of the whole history [3, L] (vision) or [L] (text), as training computes them."""
-        ids = torch.tensor(episode.input_ids, dtype=torch.long)
+    def _positions(self, input_ids: list[int], image_grid_thw: list[torch.Tensor]) -> torch.Tensor:
+        """Positions of a whole history [3, L] (vision) or [L] (text), as training computes them."""
+        ids = torch.tensor(input_ids, dtype=torch.long)
         if not self.encoder.is_vision:
             return torch.arange(ids.shape[0])
         from vagen.trajectory import rope_positions
 
-        grids = torch.stack(episode.image_grid_thw) if episode.image_grid_thw else None
+        grids = torch.stack(image_grid_thw) if image_grid_thw else None
         return rope_positions(self.model, ids, grids, self.encoder.image_pad_id)
 
     def _forward(self, input_ids, positions, new_mask, images, grids):
-        """One forward pass of `input_ids` [R, W] after the cache; returns the last position's logits."""
+        """One forward pass of `input_ids` [R, W] after the cache; returns the last position's logits
+        [R, vocab] in float32, on the model's device."""
+        device = self.device
+        new_mask = new_mask.to(device)
         self.mask = new_mask if self.mask is None else torch.cat([self.mask, new_mask], dim=1)
-        device = next(self.model.parameters()).device
         kwargs = dict(input_ids=input_ids.to(device), position_ids=positions.to(device),
-                      attention_mask=self.mask.to(device), use_cache=True, logits_to_keep=1)
+                      attention_mask=self.mask, use_cache=True, logits_to_keep=1)
         if images:
             kwargs["pixel_values"] = torch.cat(images).to(device)
             kwargs["image_grid_thw"] = torch.stack(grids).to(device)
@@ -73,7 +126,20 @@ class TurnGenerator:
         if self.cache is None:
             raise RuntimeError(f"{type(self.model).__name__} returned no key/value cache, which generation across "
                                f"turns needs; set rollout.reuse_cache=false to generate over the whole history")
-        return out.logits[:, -1].float().cpu()
+        return out.logits[:, -1].float()
+
+    def _idle_forward(self, with_image: bool) -> None:
+        """A forward pass whose output is thrown away, run by a rank that has nothing to feed while others
+        do (see `Lockstep`): the modules the others run, in the same order, outside the cache."""
+        ids, pixel_values, grids = idle_inputs(self.encoder, with_image)
+        positions = self._positions(ids, grids)
+        kwargs = dict(input_ids=torch.tensor([ids], device=self.device), position_ids=positions[..., None, :].to(self.device),
+                      attention_mask=torch.ones((1, len(ids)), dtype=torch.long, device=self.device),
+                      use_cache=False, logits_to_keep=1)
+        if pixel_values:
+            kwargs["pixel_values"] = torch.cat(pixel_values).to(self.device)
+            kwargs["image_grid_thw"] = torch.stack(grids).to(self.device)
+        self.model(**kwargs)
 
     def _keep_rows(self, rows: list[int]) -> None:
         if rows == self.rows or self.cache is None:
@@ -85,7 +151,8 @@ class TurnGenerator:
             raise ValueError(f"episodes {missing} are not in the cache (rows {self.rows}): an episode that "
                              f"left the generation cannot come back")
         keep = torch.tensor([where[r] for r in rows], dtype=torch.long)
-        self.cache.batch_select_indices(keep.to(next(self.model.parameters()).device))
+        keep = keep.to(self.device)
+        self.cache.batch_select_indices(keep)
         self.mask = self.mask[keep]
         for r in set(self.rows) - set(rows):
             self.fed.pop(r, None)
@@ -93,8 +160,9 @@ class TurnGenerator:
         self.rows = list(rows)
 
     def _pick(self, logits: torch.Tensor, sample: bool, temperature: float, top_p: float, top_k: int):
-        """Next token of every row: argmax, or a draw after temperature, top-k and top-p in that order."""
-        logits[:, self.suppress] = float("-inf")
+        """Next token of every row: argmax, or a draw after temperature, top-k and top-p in that order, as
+        transformers' `generate` draws (`torch.multinomial` on the logits' device, from its generator)."""
+        logits = logits.index_fill(-1, self.suppress, float("-inf"))
         if not sample:
             return logits.argmax(-1)
         logits = logits / max(temperature, 1e-5)
@@ -121,6 +189,23 @@ class TurnGenerator:
             self.model.train(was_training)
 
     def _generate(self, episodes, rows, max_new_tokens, temperature, top_p, top_k, do_sample):
+        n = len(rows)
+        images_here = any(len(ep.pixel_values) > self.fed_images.get(row, 0) for row, ep in zip(rows, episodes))
+        rows_anywhere, images_anywhere = self.lockstep.any(n > 0, images_here)
+        if not rows_anywhere:
+            return []
+        if n == 0:  # nothing of this rank's is left; the cache goes, the others still need this rank's passes
+            self.cache, self.mask, self.rows = None, None, []
+            self.fed.clear()
+            self.fed_images.clear()
+            self._idle_forward(with_image=images_anywhere)
+            while self.lockstep.any(False)[0]:
+                self._idle_forward(with_image=False)
+            return []
+        if images_anywhere and not images_here:
+            raise RuntimeError("under ZeRO-3 every rank's turn runs the same modules, but this rank's episodes "
+                               "brought no new frame while another rank's did; an environment in vision mode "
+                               "must return a frame with every observation")
         self._keep_rows(rows)
         pad = self.encoder.pad_id
         # -- feed what the cache does not hold yet -----------------------------------------------------
@@ -130,7 +215,7 @@ class TurnGenerator:
             if episode.input_ids[: len(fed)] != fed:
                 raise RuntimeError(f"episode {row}'s history no longer starts with the tokens in the cache; "
                                    f"histories may only grow between turns")
-            positions = self._positions(episode)
+            positions = self._positions(episode.input_ids, episode.image_grid_thw)
             chunks.append(episode.input_ids[len(fed):])
             chunk_positions.append(positions[..., len(fed):])
             next_position.append(int(positions.max()) + 1)
@@ -140,7 +225,6 @@ class TurnGenerator:
             self.fed_images[row] = len(episode.pixel_values)
             fed += chunks[-1]
         width = max(len(chunk) for chunk in chunks)
-        n = len(rows)
         input_ids = torch.full((n, width), pad, dtype=torch.long)
         positions = torch.zeros((3, n, width) if self.encoder.is_vision else (n, width), dtype=torch.long)
         new_mask = torch.zeros((n, width), dtype=torch.long)
@@ -156,23 +240,35 @@ class TurnGenerator:
         generated: list[list[int]] = [[] for _ in rows]
         texts = [""] * n
         running = [True] * n
-        next_position = torch.tensor(next_position)
-        for step in range(max_new_tokens):
-            tokens = self._pick(logits, sample, temperature, top_p, top_k).tolist()  # every row draws, as in generate
-            feed = []
-            for k, token in enumerate(tokens):
-                if not running[k]:
-                    feed.append(False)
-                    continue
-                generated[k].append(token)
-                piece = self._text(token)
-                texts[k] += piece
-                running[k] = token not in stop_ids and STOP_STRING not in texts[k][-len(STOP_STRING) - len(piece):]
-                feed.append(running[k])
-            if not any(running) or step == max_new_tokens - 1:
+        next_position = torch.tensor(next_position, device=self.device)
+        pad_ids = torch.full((n,), pad, dtype=torch.long, device=self.device)
+        step = 0
+        while True:
+            decoding = any(running)
+            if decoding:
+                drawn = self._pick(logits, sample, temperature, top_p, top_k)  # every row draws, as in generate
+                tokens = drawn.tolist()
+                feed = []
+                for k, token in enumerate(tokens):
+                    if not running[k]:
+                        feed.append(False)
+                        continue
+                    generated[k].append(token)
+                    piece = self._text(token)
+                    texts[k] += piece
+                    running[k] = token not in stop_ids and STOP_STRING not in texts[k][-len(STOP_STRING) - len(piece):]
+                    feed.append(running[k])
+                decoding = any(running) and step < max_new_tokens - 1
+            # A rank whose rows are done keeps passing while another rank's still decode (ZeRO-3).
+            if not self.lockstep.any(decoding)[0]:
                 break
-            keep = torch.tensor(feed)
-            step_ids = torch.where(keep, torch.tensor(tokens), torch.tensor(pad))[:, None]
+            step += 1
+            if not decoding:
+                running = [False] * n
+                self._idle_forward(with_image=False)
+                continue
+            keep = torch.tensor(feed, device=self.device)
+            step_ids = torch.where(keep, drawn, pad_ids)[:, None]
             step_positions = next_position[:, None]
             if self.encoder.is_vision:
                 step_positions = step_positions[None].expand(3, -1, -1)

@@ -25,7 +25,7 @@ from PIL import Image
 
 import envs_visual
 from envs_visual.base import IMAGE_PLACEHOLDER
-from vagen.generation import TurnGenerator
+from vagen.generation import Lockstep, TurnGenerator, idle_inputs
 from vagen.models import VISION_TOKENS, tokenizer_of
 
 # Seeds at or above this are reserved for evaluation, so training and evaluation levels never overlap.
@@ -178,14 +178,33 @@ def batch_generation_inputs(encoder: ChatEncoder, episodes: list[Episode]) -> di
 @torch.no_grad()
 def generate(model, encoder: ChatEncoder, episodes: list[Episode], max_new_tokens: int,
              temperature: float, top_p: float, top_k: int, do_sample: bool | None = None) -> list[list[int]]:
-    """One batched `generate` over the episodes' histories; returns the new ids of each row."""
+    """One batched `generate` over the episodes' histories; returns the new ids of each row.
+
+    Under ZeRO-3 over several ranks (`Lockstep`) every rank calls this in the same turn, with
+    transformers' `synced_gpus`; a rank without episodes generates from a stand-in input and returns []."""
+    lockstep = Lockstep(model)
+    idle = not episodes
+    if lockstep.on:
+        images_here = any(ep.pixel_values for ep in episodes)
+        images_anywhere = lockstep.any(images_here)[0]
+        if images_anywhere and episodes and not images_here:
+            raise RuntimeError("under ZeRO-3 every rank's turn runs the same modules, but this rank's episodes "
+                               "have no frame while another rank's do; an environment in vision mode must "
+                               "return a frame with every observation")
+        if idle:
+            stand_in = Episode("idle", 0, 0, "")
+            stand_in.input_ids, stand_in.pixel_values, stand_in.image_grid_thw = idle_inputs(encoder, images_anywhere)
+            episodes = [stand_in]
+    if not episodes:
+        return []
     batch = batch_generation_inputs(encoder, episodes)
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}
     sample = temperature > 0 if do_sample is None else do_sample
     options = dict(do_sample=sample, max_new_tokens=max_new_tokens, pad_token_id=encoder.pad_id,
                    eos_token_id=sorted(encoder.stop_ids), suppress_tokens=encoder.suppress_ids,
-                   stop_strings=["</answer>"], tokenizer=encoder.tokenizer, use_cache=True)
+                   stop_strings=["</answer>"], tokenizer=encoder.tokenizer, use_cache=True,
+                   synced_gpus=lockstep.on)
     if sample:
         # top_k=0 keeps the full distribution: transformers would otherwise cut it at 50 tokens.
         options.update(temperature=max(temperature, 1e-5), top_p=top_p, top_k=top_k)
@@ -194,7 +213,7 @@ def generate(model, encoder: ChatEncoder, episodes: list[Episode], max_new_token
     with neutral_generation_config(model):
         out = model.generate(**batch, **options)
     new = out[:, batch["input_ids"].shape[1]:].cpu().tolist()
-    return new
+    return [] if idle else new
 
 
 @contextlib.contextmanager
@@ -242,6 +261,9 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
     gen_time = env_time = 0.0
     gen_tokens = 0
     turn_generator = TurnGenerator(model, encoder) if ro.reuse_cache else None
+    # Under ZeRO-3 over several ranks, a rank whose episodes have ended keeps generating (idle) while
+    # another rank's go on: forward passes are collective there.
+    lockstep = Lockstep(model)
     for turn in range(ro.max_turns):
         active = []
         for i, ep in enumerate(episodes):
@@ -259,7 +281,7 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
             ep.pixel_values += pixel_values
             ep.image_grid_thw += grids
             active.append(i)
-        if not active:
+        if not lockstep.any(bool(active))[0]:
             break
         t0 = time.perf_counter()
         if turn_generator is not None:
