@@ -189,3 +189,40 @@ def test_filter_keeps_the_groups_of_highest_reward_std_and_makes_their_ids_globa
     kept, stats = filter_groups(samples, cfg, rank=0, world_size=1)
     assert [s.group_id for s in kept] == [1, 1, 2, 2]
     assert stats["kept_groups"] == 2 and stats["total_groups"] == 4
+
+
+@pytest.mark.parametrize("deepspeed_config, dtype", [("deepspeed/zero0_fp32.json", "float32"),
+                                                     ("deepspeed/zero2_bf16.json", "bfloat16")])
+def test_a_nan_loss_skips_the_step_and_leaves_the_weights_as_they_were(text_policy, distributed, monkeypatch,
+                                                                        deepspeed_config, dtype):
+    import vagen.update
+
+    model, encoder = text_policy
+    model = model.to(getattr(torch, dtype))
+    cfg = load_config("bandit_text", ["train.actor_lr=1e-3", "train.mini_batch_size=4", "train.micro_batch_size=2",
+                                      "rollout.group_size=4", "rollout.env_groups=1", f"model.dtype={dtype}",
+                                      f"train.deepspeed_config={deepspeed_config}"])
+    engine = make_engine(model, cfg, cfg.train.actor_lr, distributed)
+    samples = answer_samples(encoder, ["Left", "Right", "Left, Up", "Down"], [1.0, -1.0, 0.5, -0.5])
+    annotate(samples, engine, None, None, cfg, encoder.pad_id, distributed.device)
+    real = vagen.update.core.ppo_policy_loss
+    calls = []
+
+    def second_micro_batch_nan(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 2 else loss), metrics
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(vagen.update.core, "ppo_policy_loss", second_micro_batch_nan)
+    metrics = ppo_update(engine, None, samples, cfg, encoder.pad_id, distributed.device, shuffle=False,
+                         bad_steps_in_a_row=1)
+    assert len(calls) == 2 and metrics["actor/skipped_steps"] == 1 and metrics["update/bad_steps_in_a_row"] == 2
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    monkeypatch.setattr(vagen.update.core, "ppo_policy_loss", real)
+    metrics = ppo_update(engine, None, samples, cfg, encoder.pad_id, distributed.device, shuffle=False,
+                         bad_steps_in_a_row=2)
+    assert metrics["actor/skipped_steps"] == 0 and metrics["update/bad_steps_in_a_row"] == 0
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the run goes on

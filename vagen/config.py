@@ -132,6 +132,8 @@ class TrainConfig:
     resume: str | None = _f(None, "auto (latest in this run name) | PATH of a checkpoint | null")
     save_every: int = _f(0, "checkpoint every N iterations; 0 = only at the end")
     critic_warmup: int = _f(0, "iterations that update only the critic")
+    max_bad_steps: int = _f(3, "optimizer steps in a row skipped for a non-finite loss or gradient after which the "
+                               "run saves a checkpoint and stops")
 
 
 @dataclass
@@ -251,7 +253,8 @@ def validate(cfg: Config) -> None:
     positive = [("rollout", "env_groups"), ("rollout", "group_size"), ("rollout", "max_turns"),
                 ("rollout", "max_new_tokens"), ("train", "ppo_epochs"), ("train", "mini_batch_size"),
                 ("train", "micro_batch_size"), ("env", "max_actions_per_turn"), ("sft", "batch_size"), ("sft", "max_steps"),
-                ("sft", "micro_batch_size"), ("sft", "length_window"), ("model", "builtin_layers")]
+                ("sft", "micro_batch_size"), ("sft", "length_window"), ("model", "builtin_layers"),
+                ("train", "max_bad_steps")]
     for section, key in positive:
         value = getattr(getattr(cfg, section), key)
         if value < 1:

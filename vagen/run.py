@@ -184,10 +184,11 @@ class RunDir:
                            videos=cfg.eval.videos, dist=self.dist, with_baselines=False)
         return {f"eval/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
-    def maybe_save(self, it: int, cfg: Config, actor_engine, critic_engine, processor, monitor) -> None:
+    def maybe_save(self, it: int, cfg: Config, actor_engine, critic_engine, processor, monitor,
+                   force: bool = False) -> None:
         last = it + 1 == cfg.train.iterations
         every = cfg.train.save_every
-        if not (last or (every > 0 and (it + 1) % every == 0)):
+        if not (force or last or (every > 0 and (it + 1) % every == 0)):
             return
         save_checkpoint(self.path / "checkpoints" / f"step_{it + 1}", it, actor_engine, critic_engine, processor,
                         self.dist, {"monitor": monitor.state_dict()})

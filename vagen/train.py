@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     # costs ~0.1 s to create and holds a GL context.
     envs = [make_env(cfg.env) for _ in range(groups_per_rank * cfg.rollout.group_size)]
     progress = run.progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
+    bad_steps_in_a_row, return_code = 0, 0
 
     for it in range(start, cfg.train.iterations):
         t_iter = time.perf_counter()
@@ -127,8 +128,11 @@ def main(argv=None) -> int:
         # -- PPO update ------------------------------------------------------------------------------------
         t0 = time.perf_counter()
         update_actor = it >= cfg.train.critic_warmup
-        stats.update(ppo_update(actor_engine, critic_engine, samples, cfg, encoder.pad_id, dist.device,
-                                dist.world_size, generator, update_actor=update_actor))
+        update_stats = ppo_update(actor_engine, critic_engine, samples, cfg, encoder.pad_id, dist.device,
+                                  dist.world_size, generator, update_actor=update_actor,
+                                  bad_steps_in_a_row=bad_steps_in_a_row)
+        bad_steps_in_a_row = int(update_stats["update/bad_steps_in_a_row"])  # the same on every rank
+        stats.update(update_stats)
         stats["timing/update"] = time.perf_counter() - t0
 
         # -- collapse indicators -------------------------------------------------------------------------
@@ -143,14 +147,25 @@ def main(argv=None) -> int:
         if is_main_process:
             run.log(it, stats, warnings)
             progress.update(it, stats)
-        run.maybe_save(it, cfg, actor_engine, critic_engine, processor, monitor)
+        # Steps that keep failing (a non-finite loss or gradient) end the run, with a checkpoint to look into.
+        stop = bad_steps_in_a_row >= cfg.train.max_bad_steps
+        run.maybe_save(it, cfg, actor_engine, critic_engine, processor, monitor, force=stop)
+        if stop:
+            if is_main_process:
+                print(f"stopping at iteration {it}: the last {bad_steps_in_a_row} optimizer steps were skipped for a "
+                      f"non-finite loss or gradient (train.max_bad_steps={cfg.train.max_bad_steps}); the weights are "
+                      f"those before them, saved in {run.path / 'checkpoints' / f'step_{it + 1}'}; see the "
+                      f"actor/skipped_steps and critic/skipped_steps metrics in {run.path / 'metrics.jsonl'}",
+                      file=sys.stderr, flush=True)
+            return_code = 1
+            break
 
     progress.close()
     for env in envs:
         if hasattr(env, "close"):
             env.close()
     run.finish()
-    return 0
+    return return_code
 
 
 def _free_port() -> int:

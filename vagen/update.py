@@ -9,6 +9,7 @@ which own the optimizer, scheduler and gradient clipping; the boundaries are set
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -257,7 +258,7 @@ def _denominators(samples: list[Sample], indices: list[int], mode: str) -> list[
 
 def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: int, device, world_size: int = 1,
                generator: torch.Generator | None = None, update_actor: bool = True,
-               shuffle: bool = True) -> dict[str, float]:
+               shuffle: bool = True, bad_steps_in_a_row: int = 0) -> dict[str, float]:
     """PPO epochs over `samples` (this rank's share) with exactly one optimizer step per mini-batch.
 
     Each rank cuts its shuffled samples into mini-batches of `train.mini_batch_size / ranks`; the
@@ -267,7 +268,13 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
     because DeepSpeed averages gradients over ranks, and DeepSpeed's own division by its accumulation
     steps is off. The optimizer steps at the last micro-batch of each mini-batch, which is set
     explicitly, whatever the micro-batch counts. Ranks with fewer micro-batches (or mini-batches) run
-    passes of loss 0, so collective operations of ZeRO-2/3 pair up. Returns mean metrics."""
+    passes of loss 0, so collective operations of ZeRO-2/3 pair up.
+
+    A step whose gradient is not finite (a NaN or inf loss included) is skipped on every rank and
+    leaves the weights as they were (`_step`); `actor/skipped_steps` and `critic/skipped_steps` count
+    them, and `update/bad_steps_in_a_row` continues `bad_steps_in_a_row` (the count at the end of the
+    previous call) with this call's trailing run of mini-batches where an engine skipped. Returns mean
+    metrics; the losses of skipped mini-batches are left out of their means."""
     algo, tr = cfg.algo, cfg.train
     mini_per_rank = max(1, tr.mini_batch_size // world_size)
     fields = ("old_logprobs", "advantages", "adv_mask", "returns")
@@ -279,6 +286,7 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     minibatch_losses: dict[str, list[float]] = {}
+    skipped_steps = {"actor": 0, "critic": 0}
 
     def add(name, value):
         sums[name] = sums.get(name, 0.0) + float(value)
@@ -296,6 +304,7 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
         denominators = _all_reduce(shape[:, 1:].clone(), "sum")
         for plan, n_micro, (pg_den, sampled_den, value_den) in zip(plans, most.tolist(), denominators.tolist()):
             n_micro = int(n_micro)
+            skipped: dict[str, bool] = {}
             losses = dict.fromkeys(["actor/pg_loss", "actor/entropy"] * update_actor + ["actor/kl_loss"] * (
                 update_actor and "ref_logprobs" in fields) + ["critic/vf_loss"] * (critic_engine is not None), 0.0)
             norms: dict[str, float | None] = {}
@@ -329,7 +338,7 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
                         if not padding:
                             losses["actor/kl_loss"] += kl.item()
                     actor_engine.backward(loss * weight, scale_wrt_gas=False)
-                    norms["actor/grad_norm"] = _step(actor_engine, boundary)
+                    norms["actor/grad_norm"], skipped["actor"] = _step(actor_engine, boundary)
                     if not padding:
                         losses["actor/pg_loss"] += pg_loss.item()
                         losses["actor/entropy"] += entropy.item()
@@ -341,13 +350,16 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
                                                           batch["loss_mask"], clip=algo.value_clip,
                                                           denominator=value_den, **norm)
                     critic_engine.backward(algo.vf_coef * vf_loss * weight, scale_wrt_gas=False)
-                    norms["critic/grad_norm"] = _step(critic_engine, boundary)
+                    norms["critic/grad_norm"], skipped["critic"] = _step(critic_engine, boundary)
                     if not padding:
                         losses["critic/vf_loss"] += vf_loss.item()
                         for key, value in vf_metrics.items():
                             add(f"critic/{key}", value)
             for name, value in losses.items():
                 minibatch_losses.setdefault(name, []).append(value)
+            for name, was_skipped in skipped.items():
+                skipped_steps[name] += was_skipped
+            bad_steps_in_a_row = bad_steps_in_a_row + 1 if any(skipped.values()) else 0
             for name, value in norms.items():
                 if value is not None and math.isfinite(float(value)):
                     add(name, float(value))
@@ -356,23 +368,64 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
     names = sorted(minibatch_losses)
     if names:
         totals = _all_reduce(torch.tensor([minibatch_losses[n] for n in names], dtype=torch.float64), "sum")
-        metrics.update({n: float(t.mean()) for n, t in zip(names, totals)})
+        for name, total in zip(names, totals):
+            finite = total[torch.isfinite(total)]
+            metrics[name] = float(finite.mean()) if finite.numel() else float("nan")
+    if update_actor:
+        metrics["actor/skipped_steps"] = float(skipped_steps["actor"])
+    if critic_engine is not None:
+        metrics["critic/skipped_steps"] = float(skipped_steps["critic"])
+    metrics["update/bad_steps_in_a_row"] = float(bad_steps_in_a_row)
     if critic_engine is not None:
         metrics["critic/explained_var"] = explained_variance(samples)
     return metrics
 
 
-def _step(engine, boundary: bool) -> float | None:
+@contextlib.contextmanager
+def _no_update(engine):
+    """`engine.step()` inside leaves the weights, the optimizer's state and the schedule as they were."""
+    targets = [engine.optimizer] + ([engine.lr_scheduler] if engine.lr_scheduler is not None else [])
+    for target in targets:
+        target.step = lambda *args, **kwargs: None  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        for target in targets:
+            del target.step
+
+
+def _step(engine, boundary: bool) -> tuple[float | None, bool]:
     """`engine.step()`; at an accumulation boundary also the norm of the (data-parallel averaged)
-    gradient before clipping. DeepSpeed reports it itself under ZeRO and mixed precision only."""
+    gradient before clipping, and whether the step was skipped because that gradient is not finite.
+
+    Under ZeRO or mixed precision DeepSpeed computes the norm and skips such a step itself (it leaves
+    the weights, the optimizer state and the schedule as they were, and counts it in
+    `engine.skipped_steps`). With a plain torch optimizer (ZeRO-0, float32) the gradients are dropped
+    before the step, and the optimizer and the schedule do not step (DeepSpeed's own bookkeeping of
+    steps goes on as for its own skips)."""
     norm = None
-    if boundary and engine.zero_optimization_stage() == 0:
+    plain = engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled())
+    skipped_before = engine.skipped_steps
+    skipped = False
+    if boundary and plain:
         grads = [p.grad.detach().float() for p in engine.module.parameters() if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
-    engine.step()
+        if not math.isfinite(norm):
+            for p in engine.module.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+            skipped = True
+    if skipped:
+        with _no_update(engine):
+            engine.step()
+    else:
+        engine.step()
     if boundary and norm is None:
         norm = engine.get_global_grad_norm()
-    return None if norm is None else float(norm)
+    skipped = skipped or (boundary and engine.skipped_steps > skipped_before)
+    if skipped and plain:
+        engine.skipped_steps += 1
+    return (None if norm is None else float(norm)), skipped
 
 
 def explained_variance(samples: list[Sample]) -> float:
