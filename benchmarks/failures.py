@@ -52,8 +52,8 @@ def replay_frozenlake(cfg, episode, counts: collections.Counter) -> str:
 
     import envs_visual.frozenlake as frozenlake
     from envs_visual.grid import DIRECTIONS, bfs_path
-    from vagen.demos import frozenlake_path
     from vagen.rollout import make_env
+    from vagen.warmstart.demos import frozenlake_path
 
     env = make_env(cfg.env, {"render_mode": "text", "prompt_format": "no_think"})
     env.reset(seed=episode.seed)
@@ -127,8 +127,8 @@ def scripted_episodes(cfg, seeds: list[int], policy: str) -> list:
     """The teacher's or the solver's episodes on `seeds`, with what `replay_*` reads of an episode."""
     from types import SimpleNamespace
 
-    from vagen.demos import play_demo
     from vagen.rollout import make_env
+    from vagen.warmstart.demos import play_demo
 
     env = make_env(cfg.env, {"render_mode": "text"})
     episodes = []
@@ -163,9 +163,9 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)
 
     from vagen.config import load_config
-    from vagen.demos import distinct_eval_seeds, play_demo
     from vagen.models import load_policy
     from vagen.rollout import ChatEncoder, make_env, rollout
+    from vagen.warmstart.demos import distinct_eval_seeds, play_demo
 
     cfg = load_config(args.config, args.overrides)
     if cfg.env.name not in REPLAYS:

@@ -4,7 +4,7 @@ From the SFT warm start on the teacher's demonstrations, trains TRICO (turn_gae 
 selection), PPO (gae, all tokens) and GRPO for `--minutes` CPU-minutes each (per training seed),
 and a control that spends the same CPU time on more SFT on the teacher's data. Every method is
 evaluated on the same distinct held-out levels (greedy and sampled, 95% Wilson intervals) next to
-the teacher, the solver, a random policy and the best blind plan (`vagen.demos.blind_success`).
+the teacher, the solver, a random policy and the best blind plan (`vagen.warmstart.demos.blind_success`).
 Writes results.json, table.md and learning.png.
 
     python benchmarks/learning.py                       # full: hours of CPU
@@ -85,7 +85,7 @@ def parse_args(argv=None):
 def evaluate(checkpoint, cfg, seeds) -> dict:
     from vagen.models import load_policy
     from vagen.rollout import ChatEncoder
-    from vagen.sft import held_out_metrics
+    from vagen.warmstart.sft import held_out_metrics
 
     model, processor = load_policy(Path(checkpoint), cfg.model.dtype)
     encoder = ChatEncoder(processor)
@@ -106,7 +106,7 @@ def run_rl(name, overrides, warm_start, cfg_name, seed, args, seeds, out: Path, 
     if curve and not (out / "runs" / run_name / "checkpoints" / f"step_{iterations}").is_dir():
         raise SystemExit(f"--extend: {run_name} was evaluated at iteration {iterations}, but "
                          f"{out / 'runs' / run_name / 'checkpoints'} has no step_{iterations} to continue from")
-    base = [f"model.path={warm_start}", "model.warm_start=none", f"train.seed={seed}", f"train.run_dir={out / 'runs'}",
+    base = [f"model.path={warm_start}", f"train.seed={seed}", f"train.run_dir={out / 'runs'}",
             f"train.run_name={run_name}", f"train.save_every={args.eval_every}", "log.progress=false",
             "log.tensorboard=false", *RL_SETTINGS, *args.overrides, *overrides]
     while cpu < args.minutes * 60:
@@ -127,9 +127,9 @@ def run_rl(name, overrides, warm_start, cfg_name, seed, args, seeds, out: Path, 
 
 def run_more_sft(warm_start, cfg, seed, args, seeds, dist) -> list[dict]:
     """The control: the same CPU time spent on more SFT on the teacher's demonstrations."""
-    from vagen import sft
     from vagen.models import load_policy
     from vagen.rollout import ChatEncoder
+    from vagen.warmstart import sft
 
     model, processor = load_policy(Path(warm_start), cfg.model.dtype)
     encoder = ChatEncoder(processor)
@@ -326,11 +326,11 @@ def main(argv=None) -> int:
     # every init_distributed (here, and in each training chunk) sets torch threads from this
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
-    from vagen import sft
     from vagen.config import load_config
-    from vagen.demos import distinct_eval_seeds, scripted_baselines
     from vagen.models import base_checkpoint
     from vagen.train import init_distributed
+    from vagen.warmstart import sft
+    from vagen.warmstart.demos import distinct_eval_seeds, scripted_baselines
 
     dist = init_distributed()
     out = Path(args.out)
@@ -346,16 +346,18 @@ def main(argv=None) -> int:
                          f"`python -m vagen.sft --out DIR` writes)")
     for env in args.envs:
         cfg_name = ENVS[env]
-        cfg = load_config(cfg_name, [*args.overrides, "model.warm_start=teacher"])
+        cfg = load_config(cfg_name, args.overrides)
         cfg.sft.exclude_eval = max(cfg.sft.exclude_eval, args.eval_n)
         seeds = distinct_eval_seeds(cfg.env, args.eval_n)
         if not args.part:
             print(f"== {env}: {len(seeds)} distinct held-out levels", flush=True)
-        t0 = time.perf_counter()  # a child of --jobs finds the warm start cached
+        t0 = time.perf_counter()  # a child of --jobs finds the warm start its parent built
         if env in earlier:
             warm_start = given or Path(earlier[env]["warm_start_path"])
         else:
-            warm_start = given or sft.warm_start_checkpoint(cfg, base_checkpoint(cfg.model), dist)
+            warm_start = given or out / f"warm_start_{env}"
+            if not (warm_start / sft.STATE_FILE).exists():
+                sft.build_warm_start(cfg, base_checkpoint(cfg.model, sft.base_path_of(cfg)), warm_start, "teacher", dist)
         build_minutes = (time.perf_counter() - t0) / 60
         previous = {m: {int(s): c for s, c in curves.items()}
                     for m, curves in earlier.get(env, {}).get("methods", {}).items()}

@@ -41,10 +41,16 @@ import torch  # noqa: E402
 import envs_visual  # noqa: E402
 from vagen.config import load_config  # noqa: E402
 from vagen.models import TinySpec, load_policy, resolve_model_path  # noqa: E402
-from vagen.perception import cell_answer, cell_question, perception_probes, question, question_sample  # noqa: E402
 from vagen.rollout import ChatEncoder  # noqa: E402
-from vagen.sft import masked_logits, nll_loss, sft_engine  # noqa: E402
 from vagen.trajectory import collate  # noqa: E402
+from vagen.warmstart.perception import (  # noqa: E402
+    cell_answer,
+    cell_question,
+    perception_probes,
+    question,
+    question_sample,
+)
+from vagen.warmstart.sft import masked_logits, nll_loss, sft_engine  # noqa: E402
 
 
 def probe_frame(env_name: str, seed: int, rng: np.random.Generator):
@@ -63,7 +69,7 @@ def probe_frame(env_name: str, seed: int, rng: np.random.Generator):
 def moves_probe(seed: int, rng: np.random.Generator, distance: int):
     """A FrozenLake 4x4 frame with the player on a random cell (holes included), a question about the
     cell that `distance` random moves from the player reach (what a policy must read before its later
-    moves of a turn), and the answer digit (`vagen.perception.CELL_ANSWERS`)."""
+    moves of a turn), and the answer digit (`vagen.warmstart.perception.CELL_ANSWERS`)."""
     from envs_visual.grid import DIRECTIONS
 
     env = envs_visual.make("frozenlake")

@@ -31,23 +31,27 @@ def env_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def make(name: str, **params):
-    """Build environment `name` with `params`; unknown names or parameters raise ValueError naming
-    the valid choices."""
-    cls = env_class(name)
+def parameters(name: str) -> set[str]:
+    """The keyword parameters environment `name` accepts (its constructors' along the class hierarchy)."""
     import inspect
 
-    accepted = {
+    return {
         p.name
-        for klass in cls.__mro__
+        for klass in env_class(name).__mro__
         if "__init__" in vars(klass)
         for p in inspect.signature(klass.__init__).parameters.values()
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
     }
+
+
+def make(name: str, **params):
+    """Build environment `name` with `params`; unknown names or parameters raise ValueError naming
+    the valid choices."""
+    accepted = parameters(name)
     for key in params:
         if key not in accepted:
             raise closest_choice_error(f"parameter of env '{name}'", key, accepted)
-    return cls(**params)
+    return env_class(name)(**params)
 
 
-__all__ = ["ENVS", "PROMPT_FORMATS", "Observation", "env_class", "make", "parse_response"]
+__all__ = ["ENVS", "PROMPT_FORMATS", "Observation", "env_class", "make", "parameters", "parse_response"]

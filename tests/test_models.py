@@ -47,10 +47,33 @@ def test_builtins_are_cached_and_deterministic(model_cache, tmp_path):
 
 
 def test_model_path_errors_say_how_to_fix(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"not a local checkpoint directory.*pass its directory"):
+    with pytest.raises(FileNotFoundError, match=r"is not a checkpoint: no config.json in .*missing; download the "
+                                                r"checkpoint beforehand .* and pass its directory"):
         resolve_model_path(str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match=r"unknown built-in model 'builtin:huge'; choices: " + ", ".join(BUILTINS)):
+    with pytest.raises(ValueError, match=r"'builtin:huge' is not a built-in model.* choices: " + ", ".join(BUILTINS)):
         resolve_model_path("builtin:huge")
+
+
+def test_assets_names_a_shipped_warm_start(tiny_text, tmp_path, monkeypatch):
+    import shutil
+
+    import vagen.config
+
+    path, _, _ = tiny_text
+    shutil.copytree(path, tmp_path / "checkpoints" / "mini_text")
+    (tmp_path / "checkpoints" / "unfinished").mkdir()  # no config.json: not a checkpoint
+    monkeypatch.setattr(vagen.config, "checkpoints_dir", lambda: tmp_path / "checkpoints")
+    assert vagen.config.shipped_checkpoints() == ["mini_text"]
+    assert resolve_model_path("assets:mini_text") == tmp_path / "checkpoints" / "mini_text"
+    model, _ = load_policy(resolve_model_path("assets:mini_text"))
+    assert torch.equal(model.lm_head.weight, tiny_text[1].lm_head.weight)
+    vagen.config.load_config("sokoban_text", ["model.path=assets:mini_text"])  # the config knows it too
+    for wrong in ("assets:mini_txt", "assets:unfinished"):
+        with pytest.raises(ValueError, match=rf"model.path='{wrong}' is not a shipped warm start .*"
+                                             r"choices: builtin:tiny-vl, builtin:tiny-text, assets:mini_text"):
+            resolve_model_path(wrong)
+    with pytest.raises(vagen.config.ConfigError, match=r"did you mean 'assets:mini_text'"):
+        vagen.config.load_config("sokoban_text", ["model.path=assets:mini_txt"])
 
 
 def test_value_model_starts_at_zero_and_round_trips(tiny_text, tmp_path):

@@ -3,11 +3,12 @@ import json
 import numpy as np
 import pytest
 
-from vagen import sft
 from vagen.config import ConfigError, load_config
-from vagen.demos import eval_level_keys, level_key
 from vagen.models import resolve_model_path
-from vagen.perception import (
+from vagen.rollout import ChatEncoder, make_env
+from vagen.warmstart import sft
+from vagen.warmstart.demos import eval_level_keys, level_key
+from vagen.warmstart.perception import (
     cell_answer,
     cell_probes,
     perception_probes,
@@ -15,7 +16,6 @@ from vagen.perception import (
     single_cell_objects,
     standing_cells,
 )
-from vagen.rollout import ChatEncoder, make_env
 
 
 def test_single_cell_objects_are_the_player_and_lone_boxes_and_targets():
@@ -110,19 +110,6 @@ def test_perception_stage_settings_are_checked():
         perception_probes(load_config("frozenlake_visual", []).env, 4, 8, objects=("player", "holes"))
 
 
-def test_perception_settings_enter_the_cache_key_only_when_the_stage_runs(tmp_path):
-    def key(*overrides):
-        return sft.cache_key(load_config("frozenlake_visual", list(overrides)), tmp_path, "teacher")
-
-    plain = key()
-    assert key("sft.perception_levels=500", "sft.perception_axes=[column]") == plain  # no stage: no rebuild
-    staged = key("sft.perception_steps=100")
-    assert staged != plain
-    for change in ["sft.perception_levels=500", "sft.perception_objects=[player, boxes]", "sft.perception_axes=[column]",
-                   "sft.perception_batch_size=16"]:
-        assert key("sft.perception_steps=100", change) != staged, change
-
-
 # a Sokoban build with all three stages, each a few steps long
 SOKOBAN_STAGES = ["sft.demos=16", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8",
                   "sft.micro_batch_size=8", "sft.check_every=2", "sft.max_steps=2", "sft.min_steps=0",
@@ -132,7 +119,7 @@ SOKOBAN_STAGES = ["sft.demos=16", "sft.val_demos=8", "sft.exclude_eval=16", "sft
 
 def test_a_sokoban_build_runs_perception_demonstrations_and_cell_questions_in_order(tmp_path, model_cache, distributed):
     cfg = load_config("sokoban_visual", SOKOBAN_STAGES + ["sft.cell_steps=6"])
-    base = resolve_model_path(cfg.model.path, model_cache)
+    base = resolve_model_path(sft.base_path_of(cfg), model_cache)
     said = []
     stats = sft.build_warm_start(cfg, base, tmp_path / "ws", "teacher", distributed, log=said.append)
     assert stats["sft/perception_steps"] == 4 and stats["sft/step"] == 6  # the last stage's steps
@@ -159,7 +146,7 @@ def test_the_perception_stage_ends_once_the_model_reads_the_frames_and_warns_if_
                                          "sft.perception_steps=30", "sft.perception_levels=16"])
     from vagen.models import load_policy
 
-    model, processor = load_policy(resolve_model_path(cfg.model.path, model_cache))
+    model, processor = load_policy(resolve_model_path(sft.base_path_of(cfg), model_cache))
     said = []
     stats = sft.perception_stage(model, ChatEncoder(processor), cfg, distributed, log=said.append)
     assert stats["sft/perception_steps"] == 3 and stats["sft/perception_accuracy"] == sft.PERCEPTION_TARGET
@@ -268,18 +255,6 @@ def test_cell_questions_are_refused_where_they_mean_nothing():
         load_config("frozenlake_visual", ["sft.cell_questions=100", "sft.cell_moves=[]"])
 
 
-def test_cell_question_settings_enter_the_cache_key_only_when_the_stage_runs(tmp_path):
-    def key(*overrides):
-        return sft.cache_key(load_config("frozenlake_visual", list(overrides)), tmp_path, "teacher")
-
-    without = key("sft.cell_questions=0")
-    assert key("sft.cell_questions=0", "sft.cell_steps=10", "sft.cell_moves=[2]") == without
-    staged = key("sft.cell_questions=100")
-    assert staged != without
-    for change in ["sft.cell_steps=10", "sft.cell_moves=[2]", "sft.cell_batch_size=16"]:
-        assert key("sft.cell_questions=100", change) != staged, change
-
-
 def test_the_cell_stage_runs_its_own_schedule_whatever_the_first_stage_used():
     for config in ("frozenlake_visual", "sokoban_visual"):  # cosine and constant first stages
         first = load_config(config, ["sft.cell_questions=10", "sft.cell_steps=7", "sft.cell_batch_size=8"]).sft
@@ -293,7 +268,7 @@ def test_a_build_with_cell_questions_mixes_them_into_a_last_stage(tmp_path, mode
                  "sft.micro_batch_size=8", "sft.check_every=2", "sft.max_steps=2", "sft.min_steps=0",
                  "sft.cell_questions=12", "sft.cell_steps=4", "sft.cell_batch_size=8", "rollout.max_turns=2"]
     cfg = load_config("frozenlake_visual", overrides)
-    base = resolve_model_path(cfg.model.path, model_cache)
+    base = resolve_model_path(sft.base_path_of(cfg), model_cache)
     said = []
     stats = sft.build_warm_start(cfg, base, tmp_path / "ws", "teacher", distributed, log=said.append)
     assert stats["sft/step"] == 4  # the last stage's steps: its metrics are the warm start's
@@ -302,13 +277,14 @@ def test_a_build_with_cell_questions_mixes_them_into_a_last_stage(tmp_path, mode
         "cells: step 2", "cells: step 4"]
     assert 0.0 <= stats["sft/cell_accuracy"] <= 1.0 and 0.25 <= stats["sft/cell_majority"] <= 1.0
     state = json.loads((tmp_path / "ws" / sft.STATE_FILE).read_text())
-    assert state["sft"]["cell_questions"] == 12 and "sft/val_answer_accuracy_other_frames" in state
+    assert state["settings"]["sft"]["cell_questions"] == 12 and "sft/val_answer_accuracy_other_frames" in state
+    assert state["settings"]["env"]["name"] == "frozenlake" and state["config"] == "frozenlake_visual"
 
 
 def test_a_cells_only_build_continues_a_warm_start_with_the_cell_stage_alone(tmp_path, model_cache, distributed):
     overrides = SOKOBAN_STAGES + ["sft.cell_steps=4"]
     cfg = load_config("sokoban_visual", overrides)
-    base = resolve_model_path(cfg.model.path, model_cache)
+    base = resolve_model_path(sft.base_path_of(cfg), model_cache)
     said = []
     stats = sft.build_warm_start(cfg, base, tmp_path / "ws", "teacher", distributed, log=said.append, cells_only=True)
     # no perception stage and no demonstration stage: every check is the cell stage's

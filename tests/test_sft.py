@@ -3,11 +3,11 @@ import json
 import pytest
 import torch
 
-from vagen import sft
 from vagen.config import load_config
-from vagen.demos import distinct_eval_seeds
 from vagen.models import load_policy, resolve_model_path
 from vagen.rollout import ChatEncoder
+from vagen.warmstart import sft
+from vagen.warmstart.demos import distinct_eval_seeds
 
 SMALL = ["sft.demos=48", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8", "sft.micro_batch_size=8",
          "sft.lr=3e-3", "sft.warmup_steps=0", "sft.check_every=10", "sft.min_steps=0", "rollout.max_turns=2",
@@ -17,7 +17,7 @@ SMALL = ["sft.demos=48", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_si
 def test_sft_on_demonstrations_teaches_the_format(model_cache, distributed):
     torch.manual_seed(0)
     cfg = load_config("frozenlake_text", SMALL + ["sft.max_steps=80", "sft.patience=100"])
-    model, processor = load_policy(resolve_model_path(cfg.model.path, model_cache))
+    model, processor = load_policy(resolve_model_path(sft.base_path_of(cfg), model_cache))
     encoder = ChatEncoder(processor)
     seeds = distinct_eval_seeds(cfg.env, 16)
     before = sft.held_out_metrics(model, encoder, cfg, seeds, do_sample=False)
@@ -35,7 +35,7 @@ def test_sft_on_demonstrations_teaches_the_format(model_cache, distributed):
 
 def test_sampled_held_out_evaluation_is_seeded_and_leaves_the_callers_random_state(model_cache, played_tokens):
     cfg = load_config("frozenlake_text", ["rollout.max_turns=2", "rollout.max_new_tokens=16"])
-    model, processor = load_policy(resolve_model_path(cfg.model.path, model_cache))
+    model, processor = load_policy(resolve_model_path("builtin:tiny-text", model_cache))
     encoder = ChatEncoder(processor)
     seeds = distinct_eval_seeds(cfg.env, 8)
     torch.manual_seed(123)
@@ -49,49 +49,66 @@ def test_sampled_held_out_evaluation_is_seeded_and_leaves_the_callers_random_sta
     assert torch.equal(torch.rand(3), after_call)  # the caller's stream goes on as if nothing had drawn
 
 
-def test_warm_start_none_is_the_base_checkpoint(tmp_path, distributed):
-    cfg = load_config("frozenlake_text", ["model.warm_start=none"])
-    assert sft.warm_start_checkpoint(cfg, tmp_path, distributed) == tmp_path
+def test_a_build_writes_the_checkpoint_what_built_it_and_a_card(tmp_path, model_cache, capsys):
+    out = tmp_path / "ws"
+    overrides = SMALL + ["sft.max_steps=4", f"model.builtin_cache={model_cache}", "train.run_dir=" + str(tmp_path)]
+    assert sft.main(["--config", "frozenlake_text", "--out", str(out), "--eval", "8", *overrides]) == 0
+    printed = capsys.readouterr().out
+    assert f"train from it: deepspeed vagen/train.py --config frozenlake_text model.path={out}" in printed
+    state = json.loads((out / sft.STATE_FILE).read_text())
+    assert state["command"].startswith("python -m vagen.sft --config frozenlake_text --out ")
+    assert state["settings"]["sft"]["max_steps"] == 4 and state["settings"]["env"]["name"] == "frozenlake"
+    assert state["base"].startswith(model_cache) and "tiny-text" in state["base"] and state["sft/step"] == 4
+    assert len(state["code_revision"]) >= 40 or state["code_revision"] == "unknown"
+    card = json.loads((out / sft.CARD_FILE).read_text())
+    assert card["config"] == "frozenlake_text" and card["build"]["command"] == state["command"]
+    rows = card["evaluation"]["rows"]
+    assert card["evaluation"]["levels"] == 8 and {"sft greedy", "sft sampled", "teacher", "solver", "random"} <= set(rows)
+    for row in rows.values():
+        low, high = row["interval_95"]
+        assert row["n"] == 8 and low <= row["success"] <= high and row["successes"] == round(row["success"] * 8)
+    assert rows["solver"]["success"] == 1.0  # FrozenLake levels are solvable within the turn budget
+    model, _ = load_policy(out)  # Hugging Face format
+    assert model.config.get_text_config().vocab_size > 0
 
 
-@pytest.mark.parametrize("config", ["frozenlake_text", "frozenlake_visual"])
-def test_warm_start_is_built_once_and_cached(config, tmp_path, model_cache, distributed):
-    overrides = SMALL + ["sft.max_steps=2", "model.warm_start=teacher", f"model.builtin_cache={tmp_path}"]
-    cfg = load_config(config, overrides)
-    base = resolve_model_path(cfg.model.path, model_cache)
-    path = sft.warm_start_checkpoint(cfg, base, distributed)
-    assert path != base and (path / "config.json").exists()
-    state = json.loads((path / sft.STATE_FILE).read_text())
-    assert state["policy"] == "teacher" and state["sft/step"] == 2
-    # from frames, the build also measures how much its answers depend on the frame
-    assert ("sft/val_answer_accuracy_other_frames" in state) == (config == "frozenlake_visual")
-    stamp = (path / sft.STATE_FILE).stat().st_mtime_ns
-    assert sft.warm_start_checkpoint(cfg, base, distributed) == path
-    assert (path / sft.STATE_FILE).stat().st_mtime_ns == stamp  # loaded, not rebuilt
-    model, _ = load_policy(path)
-    assert model.config.get_text_config().vocab_size == load_policy(base)[0].config.get_text_config().vocab_size
+def test_evaluating_an_existing_warm_start_rewrites_only_its_card(tmp_path, tiny_text, capsys):
+    import shutil
+
+    path, _, _ = tiny_text
+    checkpoint = tmp_path / "copy"
+    shutil.copytree(path, checkpoint)
+    weights = (checkpoint / "model.safetensors").read_bytes()
+    assert sft.main(["--config", "frozenlake_text", "--evaluate", str(checkpoint), "--eval", "4",
+                     "rollout.max_turns=1", "rollout.max_new_tokens=8"]) == 0
+    card = json.loads((checkpoint / sft.CARD_FILE).read_text())
+    assert card["evaluation"]["rows"]["sft greedy"]["n"] == 4 and card["build"]["command"] is None  # not built here
+    assert (checkpoint / "model.safetensors").read_bytes() == weights
+    assert f"card written to {checkpoint / sft.CARD_FILE}" in capsys.readouterr().out
 
 
-def test_cache_key_follows_what_the_warm_start_depends_on(tmp_path):
-    cfg = load_config("frozenlake_visual", ["model.warm_start=teacher"])
-    key = sft.cache_key(cfg, tmp_path, "teacher")
-    assert sft.cache_key(load_config("frozenlake_visual"), tmp_path, "teacher") == key
-    for change in ["env.params.size=5", "env.prompt_format=no_think", "env.render_mode=text sft.cell_questions=0",
-                   "sft.lr=1e-4", "env.max_actions_per_turn=2", "rollout.max_turns=4"]:
-        assert sft.cache_key(load_config("frozenlake_visual", change.split()), tmp_path, "teacher") != key, change
-    assert sft.cache_key(cfg, tmp_path, "solver") != key
-    assert sft.cache_key(cfg, tmp_path / "other", "teacher") != key
+def test_the_base_is_a_built_in_never_the_checkpoint_training_starts_from():
+    assert sft.base_path_of(load_config("sokoban_visual", ["model.path=builtin:tiny-vl"])) == "builtin:tiny-vl"
+    assert sft.base_path_of(load_config("sokoban_text")) == "builtin:tiny-text"
+    assert sft.base_path_of(load_config("sokoban_text", ["sft.base=/somewhere"])) == "/somewhere"
 
 
-def test_cache_key_follows_the_demonstration_code(tmp_path, monkeypatch):
+def test_model_warm_start_is_refused_with_the_way_to_build_one():
+    from vagen.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.warm_start in command-line override was removed; .*python -m vagen.sft "
+                                          r"--config CONFIG --out DIR.*model.path=DIR"):
+        load_config("frozenlake_text", ["model.warm_start=teacher"])
+
+
+def test_the_demonstration_code_hash_follows_the_env_module(monkeypatch):
     import inspect
 
-    cfg = load_config("frozenlake_visual")
-    key, sokoban = sft.cache_key(cfg, tmp_path, "teacher"), sft.demonstration_code("sokoban")
+    frozenlake, sokoban = sft.demonstration_code("frozenlake"), sft.demonstration_code("sokoban")
     real = inspect.getsource
     edited = lambda obj: real(obj) + ("# edited" if obj.__name__ == "envs_visual.frozenlake" else "")  # noqa: E731
     monkeypatch.setattr(inspect, "getsource", edited)  # e.g. a changed teacher_action
-    assert sft.cache_key(cfg, tmp_path, "teacher") != key
+    assert sft.demonstration_code("frozenlake") != frozenlake
     assert sft.demonstration_code("sokoban") == sokoban
 
 
@@ -101,13 +118,6 @@ def test_responses_longer_than_generation_allows_are_refused(tiny_text):
     train, _ = sft.demo_sets(load_config("frozenlake_text", SMALL), "teacher")
     with pytest.raises(ValueError, match="raise rollout.max_new_tokens"):
         sft.demo_samples(train[:2], cfg, ChatEncoder(processor), model)
-
-
-def test_unknown_warm_start_names_the_choices():
-    from vagen.config import ConfigError
-
-    with pytest.raises(ConfigError, match="none, teacher, solver"):
-        load_config("frozenlake_text", ["model.warm_start=teachr"])
 
 
 def test_length_grouped_batches_draw_uniformly_and_pad_less():

@@ -9,8 +9,7 @@ from vagen.run import cpu_threads
 from vagen.train import main
 
 FAST = ["train.iterations=2", "rollout.env_groups=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
-        "rollout.max_turns=2", "train.mini_batch_size=4", "train.micro_batch_size=2", "log.progress=false",
-        "model.warm_start=none"]
+        "rollout.max_turns=2", "train.mini_batch_size=4", "train.micro_batch_size=2", "log.progress=false"]
 
 
 def _run(config, tmp_path, model_cache, *extra):

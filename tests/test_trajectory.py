@@ -138,7 +138,7 @@ def test_user_segment_rejects_images_for_a_text_model(tiny_text):
 
 def _demo_batch(config, model, processor, episodes=3):
     from vagen.config import load_config
-    from vagen.sft import demo_samples, demo_sets
+    from vagen.warmstart.sft import demo_samples, demo_sets
 
     cfg = load_config(config, [f"sft.demos={episodes}", "sft.val_demos=1", "sft.exclude_eval=4"])
     encoder = ChatEncoder(processor)

@@ -34,22 +34,22 @@ def _f(default, help: str):
 
 @dataclass
 class ModelConfig:
-    path: str = _f("builtin:tiny-vl", "local HF checkpoint dir, or builtin:tiny-vl / builtin:tiny-text")
+    path: str = _f("builtin:tiny-vl", "the checkpoint training starts from, trained as given: a local HF checkpoint "
+                                      "dir, a shipped warm start assets:NAME (assets/checkpoints/NAME), or a random "
+                                      "built-in builtin:tiny-vl / builtin:tiny-text")
     critic_path: str | None = _f(None, "critic init checkpoint; null = same weights as the actor")
     dtype: str = _f("float32", "parameter dtype: float32 | bfloat16")
     builtin_cache: str = _f("~/.cache/vagen", "where built-in tiny models are built and cached")
     builtin_seed: int = _f(0, "initialisation seed of a built-in model; not train.seed, so that training "
-                              "seeds share one base and one warm start")
+                              "seeds share one base")
     builtin_position_code: bool = _f(False, "built-in VLM: add a fixed code of its cell's row and column to each "
                                             "image token (vagen.models.image_position_code); other "
                                             "checkpoints ignore it")
-    builtin_layers: int = _f(2, "decoder layers of a built-in model (each changes its cache key and its "
-                                "warm start); other checkpoints ignore it")
+    builtin_layers: int = _f(2, "decoder layers of a built-in model (each changes its cache key); other "
+                                "checkpoints ignore it")
     min_pixels: int | None = _f(None, "image processor min_pixels; null = the checkpoint's own")
     max_pixels: int | None = _f(None, "image processor max_pixels; null = the checkpoint's own")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
-    warm_start: str = _f("none", "none | teacher | solver: start from SFT on that policy's demonstrations "
-                                 "(built once per env and model, cached next to the model)")
 
 
 @dataclass
@@ -138,6 +138,9 @@ class TrainConfig:
 
 @dataclass
 class SFTConfig:
+    base: str | None = _f(None, "what `python -m vagen.sft` fine-tunes (a model.path value); null = the random "
+                                "built-in of env.render_mode (builtin:tiny-vl or builtin:tiny-text), built with "
+                                "the model.builtin_* settings")
     demos: int = _f(1500, "warm start: demonstrated episodes on distinct levels (none from evaluation)")
     exclude_eval: int = _f(1024, "levels of the first N evaluation seeds are never demonstrated")
     max_steps: int = _f(1500, "optimizer steps at most")
@@ -160,7 +163,7 @@ class SFTConfig:
                                 "(Sokoban: path, naming the cell the teacher walks to in order to push from it: "
                                 "'row 2, column 3: to row 4, column 2, go down.')")
     perception_steps: int = _f(0, "steps at most of a first stage on questions about the env's frames ('Which row "
-                                  "is the box in?', vagen.perception) before the demonstrations; 0 = none")
+                                  "is the box in?', vagen.warmstart.perception) before the demonstrations; 0 = none")
     perception_levels: int = _f(2000, "levels (one question each) for the perception stage")
     perception_objects: list = _f(["player"], "what the perception questions ask about (state() keys of one-cell "
                                               "objects: player, boxes, targets)")
@@ -168,7 +171,7 @@ class SFTConfig:
     perception_batch_size: int = _f(32, "questions per optimizer step of the perception stage")
     cell_questions: int = _f(0, "FrozenLake and Sokoban frames: questions 'what is on the cell the player reaches by "
                                 "moving Right, then Down?' mixed into a last stage on the demonstrations "
-                                "(vagen.perception.cell_probes); 0 = no such stage")
+                                "(vagen.warmstart.perception.cell_probes); 0 = no such stage")
     cell_moves: list = _f([1, 2], "how many moves from the player the cell questions look (drawn per question)")
     cell_steps: int = _f(2000, "optimizer steps of the cell-question stage (new optimizer, a cosine from sft.lr)")
     cell_batch_size: int = _f(32, "demonstrations and questions per optimizer step of the cell-question stage")
@@ -212,7 +215,6 @@ SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "name"]
 
 CHOICES = {
     ("model", "dtype"): ("float32", "bfloat16"),
-    ("model", "warm_start"): ("none", "teacher", "solver"),
     ("env", "render_mode"): ("vision", "text"),
     ("sft", "lr_schedule"): ("constant", "cosine"),
     ("sft", "reasoning"): ("near", "path", "plan"),
@@ -230,6 +232,67 @@ class ConfigError(ValueError):
     """A configuration mistake; the message says what was received and how to fix it."""
 
 
+BUILTIN_MODELS = ("builtin:tiny-vl", "builtin:tiny-text")
+
+
+def checkpoints_dir() -> Path:
+    """assets/checkpoints: the warm starts the repository ships (`model.path=assets:NAME`)."""
+    from envs_visual.assets import ASSETS_DIR
+
+    return ASSETS_DIR / "checkpoints"
+
+
+def shipped_checkpoints() -> list[str]:
+    """Names of the shipped warm starts (folders of assets/checkpoints with a config.json)."""
+    root = checkpoints_dir()
+    return sorted(p.name for p in root.iterdir() if (p / "config.json").exists()) if root.is_dir() else []
+
+
+def model_path_error(path: str) -> str | None:
+    """Why `path` names no checkpoint (None when it does): a built-in, a shipped warm start, or a
+    directory with a config.json."""
+    shipped = [f"assets:{name}" for name in shipped_checkpoints()]
+    names = ", ".join([*BUILTIN_MODELS, *shipped])
+    if path in BUILTIN_MODELS or path in shipped:
+        return None
+    if path.startswith(("builtin:", "assets:")):
+        kind = "built-in model" if path.startswith("builtin:") else f"shipped warm start (in {checkpoints_dir()})"
+        return f"model.path={path!r} is not a {kind}{_closest(path, [*BUILTIN_MODELS, *shipped])} choices: {names}"
+    local = Path(path).expanduser()
+    if (local / "config.json").exists():
+        return None
+    return (f"model.path={path!r} is not a checkpoint: no config.json in {local}; download the checkpoint beforehand "
+            f"(e.g. Qwen/Qwen2.5-VL-3B-Instruct) and pass its directory, or use one of {names}")
+
+
+# Keys that no longer exist, and what to do instead.
+REMOVED_KEYS = {
+    "model.warm_start": "training no longer builds a warm start, it trains the checkpoint model.path names: start "
+                        "from a shipped warm start (model.path=assets:NAME), or build one with `python -m vagen.sft "
+                        "--config CONFIG --out DIR` and set model.path=DIR; model.path=builtin:tiny-vl starts random",
+}
+
+
+def _removed(key: str, source: str) -> None:
+    if key in REMOVED_KEYS:
+        shipped = ", ".join(f"assets:{n}" for n in shipped_checkpoints()) or "none yet"
+        raise ConfigError(f"{key} in {source} was removed; {REMOVED_KEYS[key]} (shipped: {shipped})")
+
+
+def _check_env(env) -> None:
+    """env.name is an environment and every env.params key one of its parameters."""
+    import envs_visual
+
+    if env.name not in envs_visual.ENVS:
+        raise ConfigError(f"env.name={env.name!r} is not an environment{_closest(env.name, envs_visual.ENVS)} "
+                          f"choices: {', '.join(sorted(envs_visual.ENVS))}")
+    accepted = sorted(envs_visual.parameters(env.name))
+    for key in env.params:
+        if key not in accepted:
+            raise ConfigError(f"env.params.{key} is not a parameter of env {env.name!r}{_closest(str(key), accepted)} "
+                              f"parameters: {', '.join(accepted)}")
+
+
 def _closest(name: str, choices) -> str:
     close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.5)
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
@@ -237,6 +300,10 @@ def _closest(name: str, choices) -> str:
 
 def validate(cfg: Config) -> None:
     """Cross-field checks; each message says how to fix the problem."""
+    _check_env(cfg.env)
+    problem = model_path_error(cfg.model.path)
+    if problem:
+        raise ConfigError(problem)
     if cfg.rollout.backend == "vllm":
         raise ConfigError(
             "rollout.backend=vllm is not implemented yet (the rollout goes through one generate "
@@ -321,11 +388,6 @@ def validate(cfg: Config) -> None:
             "model.path=builtin:tiny-text cannot see images but env.render_mode=vision; use "
             "model.path=builtin:tiny-vl or env.render_mode=text"
         )
-    if cfg.model.path.startswith("builtin:") and cfg.model.path not in ("builtin:tiny-vl", "builtin:tiny-text"):
-        raise ConfigError(
-            f"model.path={cfg.model.path!r} is not a built-in model{_closest(cfg.model.path, ['builtin:tiny-vl', 'builtin:tiny-text'])} "
-            "choices: builtin:tiny-vl, builtin:tiny-text, or a local checkpoint directory"
-        )
 
 
 def kept_groups(cfg: Config) -> int:
@@ -401,15 +463,19 @@ def _coerce(value: Any, tp, where: str) -> Any:
             except ValueError:
                 pass
     elif expected is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
                 number = float(value)
-                if math.isfinite(number):
-                    return number
             except ValueError:
                 pass
+        if number is not None and math.isfinite(number):
+            return number
+        if number is not None:
+            raise ConfigError(f"{where}: expected a finite number, received {value!r}; fix the value in the YAML "
+                              f"file or override, e.g. {where}=0.5")
     elif expected is str:
         if isinstance(value, str):
             return value
@@ -455,6 +521,7 @@ def _apply(raw: dict, key: str, value: Any, source: str) -> None:
             f"keys have the form section.field with section one of: {', '.join(SECTIONS)}"
         )
     section, name = parts[0], parts[1]
+    _removed(f"{section}.{name}", source)
     fields = _section_fields(_section_class(section))
     if name not in fields:
         raise ConfigError(
@@ -550,6 +617,7 @@ def from_dict(raw: dict, name: str = "default") -> Config:
         values = {}
         types_ = _section_types(cls)
         for key, value in (raw.get(section) or {}).items():
+            _removed(f"{section}.{key}", "the config")
             if key not in types_:
                 raise ConfigError(f"unknown config key '{section}.{key}'{_closest(f'{section}.{key}', _all_keys())}")
             values[key] = _coerce(value, types_[key], f"{section}.{key}")
@@ -588,12 +656,20 @@ def to_yaml(cfg: Config, with_help: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m vagen.config NAME|PATH [section.key=value ...]")
-        print(f"configs: {', '.join(available_configs())}")
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m vagen.config",
+        description="Print the resolved configuration (defaults, then the config file, then the overrides) with "
+                    "the help text of every field; a mistake is reported as one line, before torch loads.",
+        epilog=f"configs: {', '.join(available_configs())}")
+    parser.add_argument("config", nargs="?", help="name in configs/ or path of a YAML file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.config is None:
+        parser.print_help()
         return 0
-    print(to_yaml(load_config_or_exit(argv[0], argv[1:]), with_help=True), end="")
+    print(to_yaml(load_config_or_exit(args.config, args.overrides), with_help=True), end="")
     return 0
 
 

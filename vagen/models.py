@@ -1,7 +1,9 @@
 """Policies, critics and their processors: local Hugging Face checkpoints or the built-in tiny models.
 
 `model.path` is a local checkpoint directory (Qwen2.5-VL / Qwen2-VL for vision configs, a
-Qwen2.5/Qwen3-style causal LM for text configs) or one of:
+Qwen2.5/Qwen3-style causal LM for text configs), a warm start the repository ships,
+`assets:NAME` (the checkpoint in assets/checkpoints/NAME, built by `python -m vagen.sft`, its
+`card.json` saying how and how well it plays), or one of:
 
 - `builtin:tiny-vl` — a real Qwen2.5-VL architecture with about 0.8 M parameters (text hidden 128 × 2
   layers, vision tower 2 × 64), the stock Qwen image processor with small pixel bounds, and a
@@ -28,10 +30,12 @@ import torch
 import torch._dynamo  # noqa: F401  (see below)
 from torch import nn
 
+from vagen.config import BUILTIN_MODELS
+
 # torch._dynamo loads Triton, whose LLVM crashes the process (segfault) when Mesa's LLVM is already
 # loaded by an EGL context, i.e. after a MuJoCo frame was rendered. Loading it first is safe.
 
-BUILTINS = ("builtin:tiny-vl", "builtin:tiny-text")
+BUILTINS = BUILTIN_MODELS  # the names, known to the config without torch
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -254,7 +258,9 @@ def _build_tiny(name: str, out_dir: Path, seed: int, spec: TinySpec) -> None:
 def resolve_model_path(path: str, cache_dir: str = "~/.cache/vagen", seed: int = 0,
                        spec: TinySpec | None = None) -> Path:
     """A checkpoint directory for `path`: built-ins are built once per (spec, seed, prompts) and
-    cached; anything else must be an existing local directory."""
+    cached; `assets:NAME` is assets/checkpoints/NAME; anything else must be an existing local directory."""
+    from vagen.config import checkpoints_dir, model_path_error
+
     if path in BUILTINS:
         spec = spec or TinySpec()
         corpus_hash = hashlib.sha256("\n".join(tokenizer_corpus()).encode()).hexdigest()
@@ -268,16 +274,12 @@ def resolve_model_path(path: str, cache_dir: str = "~/.cache/vagen", seed: int =
             if not (out / "config.json").exists():
                 _build_tiny(path, out, seed, spec)
         return out
-    if path.startswith("builtin:"):
-        raise ValueError(f"unknown built-in model {path!r}; choices: {', '.join(BUILTINS)}")
-    local = Path(os.path.expanduser(path))
-    if not (local / "config.json").exists():
-        raise FileNotFoundError(
-            f"model.path={path!r} is not a local checkpoint directory (no config.json at {local}); "
-            f"download the checkpoint beforehand (e.g. Qwen/Qwen2.5-VL-3B-Instruct) and pass its "
-            f"directory, or use one of {', '.join(BUILTINS)}"
-        )
-    return local
+    problem = model_path_error(path)
+    if problem:
+        raise (ValueError if path.startswith(("builtin:", "assets:")) else FileNotFoundError)(problem)
+    if path.startswith("assets:"):
+        return checkpoints_dir() / path.removeprefix("assets:")
+    return Path(os.path.expanduser(path))
 
 
 def base_checkpoint(model_cfg, path: str | None = None) -> Path:

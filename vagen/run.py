@@ -83,13 +83,19 @@ def _broadcast(value, dist: Dist):
     return box[0]
 
 
+def progress_bar(total: int, desc: str | None, unit: str, initial: int = 0):
+    """A progress bar on stderr with the total, the rate and the time left, or None without `desc`
+    (callers that report in their own way, and tests)."""
+    if desc is None:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True)
+
+
 class Progress:
     def __init__(self, start: int, total: int, enabled: bool):
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=start, desc="train", unit="it", dynamic_ncols=True)
+        self.bar = progress_bar(total, "train", "it", initial=start) if enabled else None
 
     def update(self, it: int, stats: dict[str, float]) -> None:
         if self.bar is not None:
@@ -153,6 +159,13 @@ class RunDir:
             print(f"resuming from {ckpt} at iteration {state['iteration'] + 1}", flush=True)
         return int(state["iteration"]) + 1
 
+    def announce(self, cfg: Config, checkpoint: Path) -> None:
+        """The first lines of a run: what it trains, with which config, and where it writes."""
+        where = "" if str(checkpoint) == cfg.model.path else f" ({checkpoint})"
+        print(f"checkpoint: {cfg.model.path}{where}", flush=True)
+        print(f"config: {cfg.name} ({self.path / 'config.yaml'})", flush=True)
+        print(f"run directory: {self.path}", flush=True)
+
     def progress(self, start: int, total: int, enabled: bool) -> Progress:
         return Progress(start, total, enabled)
 
@@ -198,6 +211,12 @@ class RunDir:
             self.writer.close()
         if self.is_main:
             print(f"run directory: {self.path}", flush=True)
+            print(f"evaluate it: {eval_command(self.path)}", flush=True)
+
+
+def eval_command(run_dir: Path) -> str:
+    """The command that evaluates the latest checkpoint of `run_dir` with the run's own config."""
+    return f"python -m vagen.eval --config {run_dir / 'config.yaml'} --checkpoint {run_dir} --episodes 128"
 
 
 def _full_state_dict(engine):

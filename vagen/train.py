@@ -54,7 +54,6 @@ def main(argv=None) -> int:
     from vagen.models import ValueModel, base_checkpoint, load_policy, set_pixel_bounds
     from vagen.rollout import ChatEncoder, make_env, rollout, rollout_metrics, train_seeds
     from vagen.run import RunDir, reduce_metrics
-    from vagen.sft import warm_start_checkpoint
     from vagen.trajectory import episode_to_sample
     from vagen.update import annotate, batch_indicators, compute_advantages, filter_groups, ppo_update
 
@@ -63,8 +62,9 @@ def main(argv=None) -> int:
     is_main_process = dist.rank == 0
 
     # -- policy, critic, reference, engines ---------------------------------------------------------
-    path = base_checkpoint(cfg.model)
-    path = warm_start_checkpoint(cfg, path, dist)  # SFT on demonstrations when model.warm_start != none
+    path = base_checkpoint(cfg.model)  # trained as given: a warm start is built beforehand (python -m vagen.sft)
+    if is_main_process:
+        run.announce(cfg, path)
     actor, processor = load_policy(path, cfg.model.dtype)
     # Non-reentrant checkpointing: gradients reach the weights even where no input requires grad.
     checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}

@@ -227,7 +227,7 @@ def reasoning(env_name: str, states: list[dict], actions: list[str], rng: np.ran
     table = {"near": REASONING, "path": PATH_REASONING, "plan": PLAN_REASONING}[kind]
     if env_name not in table:
         raise ValueError(f"no {kind} reasoning for env {env_name!r}: it is written for {', '.join(table)}; use "
-                         f"one of them, another sft.reasoning, or add a function for it to vagen/demos.py")
+                         f"one of them, another sft.reasoning, or add a function for it to vagen/warmstart/demos.py")
     if kind != "near":
         return table[env_name](states, actions, style)
     return table[env_name](states[0], actions, rng, style)

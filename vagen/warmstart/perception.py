@@ -7,7 +7,7 @@ A tiny model fine-tuned on demonstrations can learn the answer format and the co
 text alone and never start reading the frame (the build's frame check says so). These questions
 have no answer without the image, so a few hundred steps on them first make the model look; the
 demonstrations are learned afterwards from that checkpoint (`sft.perception_steps`, see
-`vagen.sft.perception_stage`).
+`vagen.warmstart.sft.perception_stage`).
 
     probes = perception_probes(cfg.env, 2000, max_moves=8, exclude=eval_level_keys(cfg.env, 1024),
                                objects=("player",), axes=("row",))
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from vagen.demos import distinct_levels
 from vagen.rollout import ChatEncoder, Episode, Turn, make_env
+from vagen.warmstart.demos import distinct_levels
 
 # state() keys of objects that sit on one cell, and how a question names them
 OBJECTS = {"player": "the player", "boxes": "the box", "targets": "the target"}

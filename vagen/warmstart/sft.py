@@ -1,13 +1,17 @@
-"""Supervised warm start: fine-tune a policy on scripted demonstrations (vagen.demos) through the
-same tokenisation, masks and DeepSpeed engine as RL, with the loss on generated tokens only.
+"""Supervised warm start: fine-tune a policy on scripted demonstrations (vagen.warmstart.demos)
+through the same tokenisation, masks and DeepSpeed engine as RL, with the loss on generated tokens
+only. An explicit stage that writes a checkpoint; training never runs it (`model.path` names what
+training starts from).
 
     python -m vagen.sft --config frozenlake_visual [--out DIR] [--eval 256] [section.key=value ...]
+    python -m vagen.sft --config sokoban_visual --evaluate assets/checkpoints/sokoban_visual
     python -m vagen.sft --config sokoban_visual --base WARM_START --cells-only --out DIR sft.cell_steps=1500
 
 Training runs until the answer accuracy on held-out demonstrations (teacher forcing: a turn counts
 when every token of its `<answer>…</answer>` is the model's argmax) stops improving, so the warm
-start is the demonstrator learned well. `warm_start_checkpoint(cfg, base_path, dist)` returns the
-cached checkpoint for `model.warm_start` (building it on first use), or `base_path` when it is none.
+start is the demonstrator learned well. With `--eval N` the result is evaluated on N held-out levels
+next to the teacher, the solver and a random policy, and `card.json` records it with the command,
+the settings and the code revision.
 """
 
 from __future__ import annotations
@@ -25,8 +29,6 @@ from pathlib import Path
 
 import torch
 
-# Bump when training changes in a way the cache key does not see (demonstration code is hashed).
-VERSION = 1
 STATE_FILE = "vagen_warm_start.json"
 
 
@@ -34,7 +36,7 @@ STATE_FILE = "vagen_warm_start.json"
 
 def demo_sets(cfg, policy: str):
     """(train, validation) demonstrations on distinct levels, none of them an evaluation level."""
-    from vagen.demos import collect_demos, eval_level_keys
+    from vagen.warmstart.demos import collect_demos, eval_level_keys
 
     exclude = eval_level_keys(cfg.env, cfg.sft.exclude_eval)
     demos = collect_demos(cfg.env, policy, cfg.sft.demos + cfg.sft.val_demos, cfg.rollout.max_turns, exclude,
@@ -44,9 +46,9 @@ def demo_sets(cfg, policy: str):
 
 def demo_samples(demos, cfg, encoder, model) -> list:
     """Training samples (`vagen.trajectory.Sample`) of the demonstrations, built as `rollout` would."""
-    from vagen.demos import demo_episode
     from vagen.rollout import make_env
     from vagen.trajectory import episode_to_sample
+    from vagen.warmstart.demos import demo_episode
 
     env = make_env(cfg.env)
     samples = []
@@ -187,11 +189,12 @@ def length_grouped_batches(lengths: list[int], batch_size: int, window: int,
 
 def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=print, seed: int = 0,
               max_steps: int | None = None, min_steps: int | None = None, time_budget_s: float | None = None,
-              on_check=None, target_accuracy: float = 1.0) -> dict[str, float]:
+              on_check=None, target_accuracy: float = 1.0, desc: str | None = None) -> dict[str, float]:
     """Optimizer steps of the token-mean NLL of generated tokens on random batches of `train_samples`
     until, from `min_steps` on, held-out answer accuracy stops improving or reaches `target_accuracy`
     (or `max_steps` / `time_budget_s` run out). Returns stats; `on_check(step, metrics)` is called at every
-    check."""
+    check. With `desc`, a progress bar of that name counts the steps toward `max_steps` (with its ETA)."""
+    from vagen.run import progress_bar
     from vagen.trajectory import collate
     from vagen.update import chunks
 
@@ -205,6 +208,9 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
     losses = []
     lengths = [s.length for s in train_samples]
     queue: list[list[int]] = []
+    bar = progress_bar(max_steps, desc, "step")
+    if bar is not None and log is print:
+        log = bar.write  # check lines above the bar, not through it
     engine.module.train()
     while step < max_steps:
         if not queue:
@@ -215,6 +221,8 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
             engine.step()
             losses.append(loss.item())
         step += 1
+        if bar is not None:
+            bar.update(1)
         out_of_time = time_budget_s is not None and time.perf_counter() - t0 >= time_budget_s
         if step % sft.check_every == 0 or step == max_steps or out_of_time:
             metrics = answer_accuracy(engine.module, val_samples, pad_id, device, sft.micro_batch_size)
@@ -229,10 +237,14 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
                 best, stale = accuracy, 0
             else:
                 stale += 1
+            if bar is not None:
+                bar.set_postfix(accuracy=f"{accuracy:.3f}", refresh=False)
             if step >= min_steps and (stale >= sft.patience or accuracy >= target_accuracy):
                 break
         if out_of_time:
             break
+    if bar is not None:
+        bar.close()
     metrics["sft/steps_per_second"] = step / max(time.perf_counter() - t0, 1e-9)
     return metrics
 
@@ -245,10 +257,10 @@ CELL_VAL_START = 10**6  # held-out cell questions are drawn from seeds from here
 
 def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
     """The first stage of a warm start from frames: up to `sft.perception_steps` steps (constant
-    learning rate, `sft.lr`) on `vagen.perception` questions about `sft.perception_levels` levels,
+    learning rate, `sft.lr`) on `vagen.warmstart.perception` questions about `sft.perception_levels` levels,
     until held-out accuracy reaches PERCEPTION_TARGET. Trains `model` in place; returns stats."""
-    from vagen.demos import eval_level_keys
-    from vagen.perception import perception_probes, question_sample
+    from vagen.warmstart.demos import eval_level_keys
+    from vagen.warmstart.perception import perception_probes, question_sample
 
     t0 = time.perf_counter()
     sft = cfg.sft
@@ -269,7 +281,7 @@ def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
         batch_size=sft.perception_batch_size, micro_batch_size=sft.perception_batch_size))
     engine = sft_engine(model, stage, dist)
     stats = train_sft(engine, train, val, stage, encoder.pad_id, dist.device, log=lambda s: log(f"perception: {s}"),
-                      target_accuracy=PERCEPTION_TARGET)
+                      target_accuracy=PERCEPTION_TARGET, desc="sft: perception")
     accuracy = stats["sft/val_answer_accuracy"]
     if accuracy < majority + MIN_FRAME_GAIN:
         log(f"warning: the perception stage ended at held-out accuracy {accuracy:.3f} after {stats['sft/step']} steps, "
@@ -283,19 +295,25 @@ def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
 # -- held-out evaluation ----------------------------------------------------------------------------
 
 def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, batch: int = 64,
-                     sample_seed: int = 0) -> dict[str, float]:
+                     sample_seed: int = 0, desc: str | None = None) -> dict[str, float]:
     """Success, return and format rate of `model` on `seeds` (one episode each), greedy or sampled
     with `rollout.temperature`; `successes` counts for `wilson_interval`. Sampling draws from
     `sample_seed`, so a checkpoint scores the same whatever ran before in the process, and the
-    caller's random state is left as it was."""
+    caller's random state is left as it was. With `desc`, a progress bar of that name counts episodes."""
     from vagen.rollout import own_draws, rollout, rollout_metrics
+    from vagen.run import progress_bar
 
     model.eval()
     episodes = []
+    bar = progress_bar(len(seeds), desc, "episode")
     with own_draws(sample_seed):
         for start in range(0, len(seeds), batch):
             played, _ = rollout(model, encoder, cfg, seeds[start:start + batch], 1, do_sample=do_sample)
             episodes += played
+            if bar is not None:
+                bar.update(len(played))
+    if bar is not None:
+        bar.close()
     stats = rollout_metrics(episodes)
     return {"success": stats["rollout/success"], "return": stats["rollout/reward_mean"],
             "format_ok": stats["rollout/format_ok"], "successes": sum(ep.success for ep in episodes),
@@ -303,11 +321,11 @@ def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, bat
 
 
 def cell_question_samples(cfg, encoder, model) -> tuple[list, list, float]:
-    """`sft.cell_questions` training samples of `vagen.perception.cell_probes` questions, held-out
+    """`sft.cell_questions` training samples of `vagen.warmstart.perception.cell_probes` questions, held-out
     ones on other levels, and the held-out score of always giving the most common answer. No level
     is one of the first `sft.exclude_eval` evaluation levels."""
-    from vagen.demos import eval_level_keys
-    from vagen.perception import cell_probes, question_sample
+    from vagen.warmstart.demos import eval_level_keys
+    from vagen.warmstart.perception import cell_probes, question_sample
 
     exclude = eval_level_keys(cfg.env, cfg.sft.exclude_eval)
     moves = tuple(cfg.sft.cell_moves)
@@ -333,7 +351,7 @@ def cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, l
     """The last stage of a FrozenLake or Sokoban warm start: `sft.cell_steps` more steps (a new optimizer and
     cosine schedule, batch `sft.cell_batch_size`) on the demonstrations mixed with
     `sft.cell_questions` questions about the cells 1 or 2 moves from the player
-    (`vagen.perception.cell_probes`). The demonstrations name only the cells next to the player;
+    (`vagen.warmstart.perception.cell_probes`). The demonstrations name only the cells next to the player;
     these questions make the model read the cells that a turn's later moves enter. Returns the
     engine and stats."""
     sft = cfg.sft
@@ -350,23 +368,23 @@ def cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, l
         log(f"cells: step {step} held-out question accuracy {accuracy['sft/val_answer_accuracy']:.3f}")
 
     stats = train_sft(engine, train_samples + questions, val_samples, stage, encoder.pad_id, dist.device, log=log,
-                      on_check=check)
+                      on_check=check, desc="sft: cells")
     stats.update({"sft/cell_accuracy": accuracy["sft/val_answer_accuracy"], "sft/cell_majority": majority,
                   "sft/cell_seconds": time.perf_counter() - t0})
     return engine, stats
 
 
-# -- the cached warm start ----------------------------------------------------------------------------
+# -- building a warm start --------------------------------------------------------------------------
 
 def demonstration_code(env_name: str, perception: bool = False) -> str:
-    """Hash of the code that writes the demonstrations: `vagen.demos` and the env's module (its
-    teacher, solver, dynamics, frames and prompts), and with `perception` `vagen.perception`, so
-    editing any of them rebuilds the warm start."""
+    """Hash of the code that writes the demonstrations: `vagen.warmstart.demos` and the env's module
+    (its teacher, solver, dynamics, frames and prompts), and with `perception`
+    `vagen.warmstart.perception`; recorded with each build, so a card says which demonstrations it learned."""
     import inspect
 
     import envs_visual
-    from vagen import demos
-    from vagen import perception as questions
+    from vagen.warmstart import demos
+    from vagen.warmstart import perception as questions
 
     env_module = inspect.getmodule(envs_visual.env_class(env_name))
     modules = (demos, env_module) + ((questions,) if perception else ())
@@ -374,30 +392,36 @@ def demonstration_code(env_name: str, perception: bool = False) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def cache_key(cfg, base_path: Path, policy: str) -> str:
-    """Hash of everything the warm start depends on (the settings of a question stage only when it runs)."""
-    env = cfg.env
-    sft = dataclasses.asdict(cfg.sft)
-    for stage, prefix in ((cfg.sft.perception_steps, "perception_"), (cfg.sft.cell_questions, "cell_")):
-        if not stage:
-            for key in [k for k in sft if k.startswith(prefix)]:
-                del sft[key]
-    questions = bool(cfg.sft.perception_steps or cfg.sft.cell_questions)
-    parts = [VERSION, demonstration_code(env.name, questions), Path(base_path).name, policy,
-             env.name, env.params, env.prompt_format, env.render_mode,
-             env.max_actions_per_turn, cfg.rollout.max_turns, cfg.model.min_pixels, cfg.model.max_pixels,
-             cfg.model.dtype, sft]
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+def code_revision() -> str:
+    """The commit this code runs from, with `+dirty` when vagen/, envs_visual/ or configs/ differ
+    from it; `unknown` outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "vagen", "envs_visual",
+                                  "configs"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if changed else "")
 
 
-def warm_start_dir(cfg, base_path: Path, policy: str) -> Path:
-    root = Path(os.path.expanduser(cfg.model.builtin_cache)) / "warm_start"
-    return root / f"{Path(base_path).name}-{cfg.env.name}-{policy}-{cache_key(cfg, base_path, policy)}"
+def base_path_of(cfg) -> str:
+    """What a warm start fine-tunes: `sft.base`, else the built-in model of `env.render_mode` (never
+    `model.path`, which names the checkpoint training starts from, often a shipped warm start)."""
+    if cfg.sft.base:
+        return cfg.sft.base
+    return "builtin:tiny-vl" if cfg.env.render_mode == "vision" else "builtin:tiny-text"
+
+
+def default_out(cfg, policy: str) -> Path:
+    return Path(cfg.train.run_dir) / "warm_starts" / f"{cfg.name}-{policy}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=print,
-                     cells_only: bool = False) -> dict[str, float]:
-    """SFT `base_path` on `policy`'s demonstrations and save the result (HF format) to `out`. With
+                     cells_only: bool = False, command: str | None = None) -> dict[str, float]:
+    """SFT `base_path` on `policy`'s demonstrations and save the result (HF format) to `out`, with
+    `STATE_FILE` recording the command, code revision, settings and build metrics. With
     `cells_only`, `base_path` is a warm start already and only the cell-question stage runs on it
     (its demonstrations are mixed in as in a full build)."""
     from vagen.models import load_policy, set_pixel_bounds
@@ -423,7 +447,8 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
         if cfg.sft.perception_steps:
             stats.update(perception_stage(model, encoder, cfg, dist, log))
         engine = sft_engine(model, cfg, dist)
-        stats.update(train_sft(engine, train_samples, val_samples, cfg, encoder.pad_id, dist.device, log=log))
+        stats.update(train_sft(engine, train_samples, val_samples, cfg, encoder.pad_id, dist.device, log=log,
+                               desc="sft: demonstrations"))
         model = engine.module
     if cfg.sft.cell_questions:
         engine, cell_stats = cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, log)
@@ -434,13 +459,17 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     stats.update({"sft/data_seconds": data_s, "sft/build_seconds": time.perf_counter() - t0,
                   "sft/demo_success": sum(d.success for d in train_demos) / len(train_demos)})
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     engine.module.save_pretrained(tmp)
     processor.save_pretrained(tmp)
-    (tmp / STATE_FILE).write_text(json.dumps({"base": str(base_path), "policy": policy, "version": VERSION,
-                                              "stages": "cells" if cells_only else "all",
-                                              "sft": dataclasses.asdict(cfg.sft), **stats}, indent=1))
-    if out.exists():  # a stale partial directory; the lock guarantees nobody else is writing it
+    settings = {s: cfg.to_dict()[s] for s in ("model", "env", "rollout", "sft")}
+    questions = bool(cfg.sft.perception_steps or cfg.sft.cell_questions)
+    (tmp / STATE_FILE).write_text(json.dumps({
+        "config": cfg.name, "command": command, "code_revision": code_revision(),
+        "demonstration_code": demonstration_code(cfg.env.name, questions), "base": str(base_path),
+        "policy": policy, "stages": "cells" if cells_only else "all", "settings": settings, **stats}, indent=1))
+    if out.exists():  # an earlier build at the same place is replaced whole
         import shutil
 
         shutil.rmtree(out)
@@ -449,101 +478,97 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     return stats
 
 
-def _section_yaml(cfg) -> str:
-    import yaml
+# -- the card of a warm start -------------------------------------------------------------------------
 
-    from vagen.config import SECTIONS
-
-    return yaml.safe_dump({s: cfg.to_dict()[s] for s in SECTIONS}, sort_keys=False)
+CARD_FILE = "card.json"
 
 
-def warm_start_checkpoint(cfg, base_path: Path, dist) -> Path:
-    """The checkpoint RL starts from: `base_path` when `model.warm_start=none`, else the cached SFT
-    checkpoint of `base_path` on the chosen demonstrations, built on first use by one process under a
-    file lock (rank 0; with several ranks it builds in a single-process child while the others wait)."""
-    policy = cfg.model.warm_start
-    if policy == "none":
-        return Path(base_path)
-    from vagen.models import _file_lock
+def write_card(cfg, checkpoint: Path, rows: dict, n: int) -> dict:
+    """`checkpoint/card.json`: how the warm start was built (from its `STATE_FILE`) and its held-out
+    success on `n` evaluation levels next to the scripted baselines, each with a 95% Wilson interval."""
+    from vagen.rollout import wilson_interval
 
-    out = warm_start_dir(cfg, base_path, policy)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if dist.rank == 0:
-        with _file_lock(out.parent / f".{out.name}.lock"):
-            if not (out / STATE_FILE).exists():
-                if dist.world_size == 1:
-                    build_warm_start(cfg, base_path, out, policy, dist)
-                else:
-                    _build_in_child(cfg, base_path, out)
-    if dist.active:
-        torch.distributed.barrier()
-    if not (out / STATE_FILE).exists():
-        raise RuntimeError(f"the warm start {out} was not built; see the log of rank 0, or build it alone with "
-                           f"`python -m vagen.sft --config <config> --out {out}`")
-    return out
-
-
-def _build_in_child(cfg, base_path: Path, out: Path) -> None:
-    """Build in a process group of one (DeepSpeed's initialisation is collective over all ranks)."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
-        handle.write(_section_yaml(cfg))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    command = [sys.executable, "-m", "vagen.sft", "--config", handle.name, "--base", str(base_path), "--out", str(out)]
-    result = subprocess.run(command, env=env)
-    os.unlink(handle.name)
-    if result.returncode != 0:
-        raise RuntimeError(f"building the warm start failed (exit {result.returncode}): {' '.join(command)}")
+    checkpoint = Path(checkpoint)
+    state = json.loads((checkpoint / STATE_FILE).read_text()) if (checkpoint / STATE_FILE).exists() else {}
+    build = {k: state.get(k) for k in ("config", "command", "code_revision", "demonstration_code", "base", "policy",
+                                      "stages", "settings")}
+    evaluation = {}
+    for name, row in rows.items():
+        low, high = wilson_interval(row["successes"], row["n"])
+        evaluation[name] = {"success": row["success"], "interval_95": [round(low, 4), round(high, 4)],
+                            "successes": row["successes"], "n": row["n"], "return": row["return"],
+                            **({"format_ok": row["format_ok"]} if "format_ok" in row else {})}
+    card = {"name": checkpoint.name, "config": cfg.name, "build": build,
+            "build_metrics": {k: v for k, v in state.items() if k.startswith("sft/")},
+            "evaluation": {"levels": n, "seeds": f"vagen.warmstart.demos.distinct_eval_seeds(env, {n})",
+                           "code_revision": code_revision(), "rows": evaluation}}
+    (checkpoint / CARD_FILE).write_text(json.dumps(card, indent=1) + "\n")
+    return card
 
 
 # -- command line -------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m vagen.sft", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="name in configs/ or path of a YAML file")
-    parser.add_argument("--policy", default=None, help="teacher | solver (default: model.warm_start, else teacher)")
-    parser.add_argument("--base", default=None, help="checkpoint to fine-tune (default: model.path resolved)")
-    parser.add_argument("--out", default=None, help="output directory (default: the warm-start cache entry)")
-    parser.add_argument("--eval", type=int, default=0, help="then evaluate on N distinct held-out levels")
+    parser.add_argument("--policy", default="teacher", help="whose demonstrations: teacher | solver")
+    parser.add_argument("--base", default=None, help="checkpoint to fine-tune (default: sft.base, else the built-in "
+                                                     "model of env.render_mode)")
+    parser.add_argument("--out", default=None, help="output directory (default: runs/warm_starts/<config>-<policy>-<time>)")
+    parser.add_argument("--eval", type=int, default=0, help="then evaluate on N distinct held-out levels and write "
+                                                             "card.json into the output directory")
+    parser.add_argument("--evaluate", default=None, metavar="DIR",
+                        help="no training: evaluate the warm start in DIR on --eval levels (256 if unset) and write "
+                             "its card.json")
     parser.add_argument("--cells-only", action="store_true",
                         help="--base is a warm start: run only the cell-question stage on it (sft.cell_*)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     if args.cells_only and not (args.base and args.out):
-        parser.error("--cells-only continues an existing warm start: name it with --base and the result with --out "
-                     "(the cache holds whole builds only)")
+        parser.error("--cells-only continues an existing warm start: name it with --base and the result with --out")
+    if args.policy not in ("teacher", "solver"):
+        parser.error(f"--policy {args.policy!r}: choose teacher or solver")
     from vagen.config import load_config_or_exit
 
     cfg = load_config_or_exit(args.config, args.overrides)
-    policy = args.policy or (cfg.model.warm_start if cfg.model.warm_start != "none" else "teacher")
+    if args.evaluate:
+        checkpoint = Path(args.evaluate)
+        n = args.eval or 256
+        write_card(cfg, checkpoint, report(cfg, checkpoint, n), n)
+        print(f"card written to {checkpoint / CARD_FILE}", flush=True)
+        return 0
     from vagen.models import base_checkpoint
     from vagen.train import init_distributed
 
     dist = init_distributed()
-    base = Path(args.base) if args.base else base_checkpoint(cfg.model)
-    out = Path(args.out) if args.out else warm_start_dir(cfg, base, policy)
-    build_warm_start(cfg, base, out, policy, dist, cells_only=args.cells_only)
+    base = Path(args.base) if args.base else base_checkpoint(cfg.model, base_path_of(cfg))
+    out = Path(args.out) if args.out else default_out(cfg, args.policy)
+    command = " ".join(["python -m vagen.sft", *(argv if argv is not None else sys.argv[1:])])
+    print(f"warm start of {base} on {args.policy} demonstrations ({cfg.env.name}, config {cfg.name}) -> {out}",
+          flush=True)
+    build_warm_start(cfg, base, out, args.policy, dist, cells_only=args.cells_only, command=command)
     if args.eval:
-        report(cfg, out, args.eval)
+        write_card(cfg, out, report(cfg, out, args.eval), args.eval)
+        print(f"card written to {out / CARD_FILE}", flush=True)
+    print(f"train from it: deepspeed vagen/train.py --config {args.config} model.path={out}", flush=True)
     return 0
 
 
 def report(cfg, checkpoint: Path, n: int) -> dict:
     """Held-out greedy and sampled success of `checkpoint` next to the teacher's (and, for a teacher
     with styles, its best style per level), the solver's, a random policy's and the best blind plan's
-    (`vagen.demos.blind_success`) on the same evaluation levels."""
-    from vagen.demos import distinct_eval_seeds, scripted_baselines
+    (`vagen.warmstart.demos.blind_success`) on the same evaluation levels."""
     from vagen.models import load_policy
     from vagen.rollout import ChatEncoder, wilson_interval
+    from vagen.warmstart.demos import distinct_eval_seeds, scripted_baselines
 
     seeds = distinct_eval_seeds(cfg.env, n)
     model, processor = load_policy(checkpoint, cfg.model.dtype)
     encoder = ChatEncoder(processor)
     rows = {}
     for name, sample in (("sft greedy", False), ("sft sampled", True)):
-        rows[name] = held_out_metrics(model, encoder, cfg, seeds, do_sample=sample)
+        rows[name] = held_out_metrics(model, encoder, cfg, seeds, do_sample=sample, desc=f"eval: {name}")
     rows.update(scripted_baselines(cfg, seeds))
     for name, row in rows.items():
         low, high = wilson_interval(row["successes"], row["n"])
