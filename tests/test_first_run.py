@@ -97,3 +97,13 @@ def test_a_checkpoint_in_model_path_is_trained_as_given(tmp_path, tiny_text):
     assert lines[-3:-1] == [f"run directory: {run}",
                             f"evaluate it: python -m vagen.eval --config {run / 'config.yaml'} --checkpoint {run} "
                             f"--episodes 128"]
+
+
+def test_a_runs_saved_config_is_a_config_file(tmp_path):
+    from vagen.config import to_yaml
+
+    cfg = load_config("sokoban_visual", ["rollout.group_size=8", "train.iterations=7"])
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    again = load_config(str(path))  # what the end of a run prints: python -m vagen.eval --config <run>/config.yaml
+    assert again == cfg and again.name == "sokoban_visual"

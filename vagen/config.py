@@ -592,6 +592,8 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | None = N
         data = yaml.safe_load(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of sections, received {type(data).__name__}")
+        if isinstance(data.get("name"), str):  # a run's saved config.yaml keeps the name of the config it came from
+            name = data.pop("name")
         for key, value in _flatten(data, str(path)):
             _apply(raw, key, value, str(path))
     for text in overrides or []:

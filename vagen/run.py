@@ -181,8 +181,10 @@ class RunDir:
                 if math.isfinite(value):
                     self.writer.add_scalar(key, value, it)
             self.writer.flush()
+        from tqdm import tqdm
+
         for warning in warnings:
-            print(f"[collapse monitor] iteration {it}: {warning}", flush=True)
+            tqdm.write(f"[collapse monitor] iteration {it}: {warning}")  # above the progress bar, not through it
 
     # -- evaluation and checkpoints -----------------------------------------------------------------
     def maybe_evaluate(self, it: int, cfg: Config, model, encoder) -> dict[str, float]:
