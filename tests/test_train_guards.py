@@ -37,3 +37,42 @@ def test_steps_that_keep_failing_stop_the_run_with_the_weights_before_them(tmp_p
     initial, _ = load_policy(resolve_model_path("builtin:tiny-text", model_cache, seed=0))
     for name, value in saved.state_dict().items():
         assert torch.equal(value, initial.state_dict()[name]), name
+
+
+class _Faulty:
+    """An environment that raises in `step` on one level and in `reset` on another (the first time)."""
+
+    def __init__(self, env, raise_on):
+        self.env, self.raise_on, self.seed = env, raise_on, None
+
+    def reset(self, seed):
+        self.seed = seed
+        if self.raise_on.pop(("reset", seed), False):
+            raise OSError("renderer lost its context")
+        return self.env.reset(seed=seed)
+
+    def step(self, text):
+        if self.raise_on.pop(("step", self.seed), False):
+            raise ValueError("level state out of bounds")
+        return self.env.step(text)
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+
+def test_an_environment_that_raises_ends_only_its_episode(tmp_path, model_cache, distributed, monkeypatch, capsys):
+    import vagen.rollout
+    from vagen.rollout import train_seeds
+
+    first, second = train_seeds(0, 2)  # the two level seeds of iteration 0
+    raise_on = {("step", first): True, ("reset", second): True}  # one episode each
+    real = vagen.rollout.make_env
+    monkeypatch.setattr(vagen.rollout, "make_env", lambda *a, **k: _Faulty(real(*a, **k), raise_on))
+    code = main(["--config", "sokoban_text", *FAST, "train.iterations=2", "rollout.max_turns=2",
+                 f"train.run_dir={tmp_path}", "train.run_name=faulty", f"model.builtin_cache={model_cache}"])
+    assert code == 0 and not raise_on  # both faults happened, and the run finished
+    records = [json.loads(line) for line in (tmp_path / "faulty" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/env_errors"] for r in records] == [2, 0]
+    err = capsys.readouterr().err
+    assert f"sokoban level {first}: step 0: ValueError: level state out of bounds" in err
+    assert f"sokoban level {second}: reset: OSError: renderer lost its context" in err

@@ -82,6 +82,7 @@ class Episode:
     success: bool = False
     truncated_by_length: bool = False
     initial_observation: Any = None
+    error: str | None = None  # the environment raised: its exception in one line; the episode ended there
 
     @property
     def total_reward(self) -> float:
@@ -255,8 +256,13 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
     observations = []
     for i, env in enumerate(envs):
         group = i // group_size
-        obs, _ = env.reset(seed=seeds[group])
-        episodes.append(Episode(cfg.env.name, seeds[group], group, env.system_prompt(), initial_observation=obs))
+        try:
+            obs, _ = env.reset(seed=seeds[group])
+            episodes.append(Episode(cfg.env.name, seeds[group], group, env.system_prompt(), initial_observation=obs))
+        except Exception as err:  # one environment's fault ends its episode, not the rollout
+            episodes.append(Episode(cfg.env.name, seeds[group], group, "", done=True,
+                                    error=f"reset: {env_error_summary(err)}"))
+            obs = None
         observations.append(obs)
     gen_time = env_time = 0.0
     gen_tokens = 0
@@ -299,8 +305,14 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
             start = len(ep.input_ids)
             ep.input_ids += ids
             obs = observations[i]
-            next_obs, reward, terminated, truncated, info = env.step(text)
-            if on_step is not None:
+            try:
+                next_obs, reward, terminated, truncated, info = env.step(text)
+            except Exception as err:  # the episode ends here, failed; the rollout goes on
+                ep.error = f"step {len(ep.turns)}: {env_error_summary(err)}"
+                next_obs, reward, terminated, truncated = None, 0.0, True, False
+                info = {"success": False, "format_ok": False, "action_is_valid": False, "action_is_effective": False,
+                        "actions": [], "env_error": ep.error}
+            if on_step is not None and ep.error is None:
                 on_step(i, env, info)
             ep.turns.append(Turn(obs.text, obs.images, text, reward, info, (start, len(ep.input_ids)), len(ids),
                                  end_sampled=encoder.sampled_end(new_ids)))
@@ -313,6 +325,15 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
         ep.done = True
     metrics = {"timing/generate": gen_time, "timing/env": env_time, "rollout/generated_tokens": float(gen_tokens)}
     return episodes, metrics
+
+
+def env_error_summary(err: BaseException) -> str:
+    """An environment's exception in one line: its type, message and the innermost frame it came from."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(err).__name__}: {err}{where}"
 
 
 def rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
@@ -332,6 +353,7 @@ def rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
         "rollout/action_effective": mean(bool(t.info.get("action_is_effective")) for t in turns),
         "rollout/response_length": mean(t.response_length for t in turns),
         "rollout/truncated_trajectories": float(sum(ep.truncated_by_length for ep in episodes)),
+        "rollout/env_errors": float(sum(ep.error is not None for ep in episodes)),
     }
 
 

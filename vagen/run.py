@@ -28,7 +28,8 @@ from vagen.config import Config, to_yaml
 
 # Metrics that are counts per rank: summed over ranks instead of averaged.
 # Filter metrics are computed over all ranks at once (vagen.update.filter_groups): averaged, not summed.
-SUMMED_METRICS = ("rollout/truncated_trajectories", "rollout/generated_tokens", "update/tokens")
+SUMMED_METRICS = ("rollout/truncated_trajectories", "rollout/generated_tokens", "update/tokens",
+                  "rollout/env_errors")
 
 
 @dataclass

@@ -109,7 +109,12 @@ def main(argv=None) -> int:
         actor_engine.module.eval()
         episodes, stats = rollout(actor_engine.module, encoder, cfg, my_seeds, cfg.rollout.group_size, envs=envs)
         stats.update(rollout_metrics(episodes))
-        samples = [episode_to_sample(ep, encoder, actor_engine.module) for ep in episodes]
+        for ep in episodes:  # an environment that raised ended only its own episode
+            if ep.error is not None:
+                print(f"[env error] rank {dist.rank}, iteration {it}, {ep.env_name} level {ep.seed}: {ep.error}",
+                      file=sys.stderr, flush=True)
+        played = [ep for ep in episodes if ep.turns]
+        samples = [episode_to_sample(ep, encoder, actor_engine.module) for ep in played]
 
         # -- filter groups by in-group reward std over all ranks (StarPO-S), kept groups shared out -------
         scores = torch.tensor([s.score for s in samples])
@@ -136,7 +141,7 @@ def main(argv=None) -> int:
         stats["timing/update"] = time.perf_counter() - t0
 
         # -- collapse indicators -------------------------------------------------------------------------
-        stats.update(batch_indicators(scores, group_ids, samples, episodes))
+        stats.update(batch_indicators(scores, group_ids, samples, played))
         stats = reduce_metrics(stats, dist)
         watched = {"grad_norm": "actor/grad_norm", "entropy_mean": "actor/entropy_mean",
                    "reward_std_in_group": "rollout/in_group_reward_std", "format_ok": "rollout/format_ok"}
