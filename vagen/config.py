@@ -131,6 +131,7 @@ class TrainConfig:
     run_name: str | None = _f(None, "run directory name; null = <config>-<time>")
     resume: str | None = _f(None, "auto (latest in this run name) | PATH of a checkpoint | null")
     save_every: int = _f(0, "checkpoint every N iterations; 0 = only at the end")
+    keep_checkpoints: int | None = _f(None, "keep only the newest N checkpoints of a run; null = all")
     critic_warmup: int = _f(0, "iterations that update only the critic")
     max_bad_steps: int = _f(3, "optimizer steps in a row skipped for a non-finite loss or gradient after which the "
                                "run saves a checkpoint and stops")
@@ -370,6 +371,8 @@ def validate(cfg: Config) -> None:
             "uses only each trajectory's score, so the penalty would be ignored; set algo.kl_in_reward=false "
             "(KL as a loss term) or use algo.adv_estimator=turn_gae or gae"
         )
+    if tr.keep_checkpoints is not None and tr.keep_checkpoints < 1:
+        raise ConfigError(f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1, or null to keep every checkpoint")
     if algo.loss_norm_tokens is not None and algo.loss_norm_tokens < 1:
         raise ConfigError(f"algo.loss_norm_tokens={algo.loss_norm_tokens} must be >= 1, or null for "
                           f"rollout.max_turns x (rollout.max_new_tokens + 1)")

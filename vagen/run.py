@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +111,7 @@ class Progress:
 
 
 class RunDir:
-    def __init__(self, path: Path, dist: Dist, tensorboard: bool):
+    def __init__(self, path: Path, dist: Dist, tensorboard: bool, purge_step: int | None = None):
         self.path = path
         self.dist = dist
         self.is_main = dist.rank == 0
@@ -120,7 +121,8 @@ class RunDir:
         if self.is_main and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(path))
+            # purge_step: TensorBoard drops the events a killed run wrote after its last checkpoint
+            self.writer = SummaryWriter(str(path), purge_step=purge_step)
 
     # -- creation and resuming ------------------------------------------------------------------------
     @classmethod
@@ -128,17 +130,20 @@ class RunDir:
         """A new run directory, or the one being resumed (`train.resume=auto|PATH`)."""
         resume_from = None
         path = None
+        first = None
         if dist.rank == 0:
             resume_from = find_checkpoint(cfg)
             if resume_from is not None:
                 path = resume_from.parent.parent
+                first = json.loads((resume_from / "trainer_state.json").read_text())["iteration"] + 1
+                forget_after(path, first)
             else:
                 name = cfg.train.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
                 path = Path(cfg.train.run_dir) / name
                 path.mkdir(parents=True, exist_ok=cfg.train.run_name is not None)
             (path / "config.yaml").write_text(to_yaml(cfg))
         path, resume_from = _broadcast((path, resume_from), dist)
-        run = cls(Path(path), dist, cfg.log.tensorboard)
+        run = cls(Path(path), dist, cfg.log.tensorboard, purge_step=first)
         run.resume_from = resume_from
         return run
 
@@ -207,7 +212,7 @@ class RunDir:
         if not (force or last or (every > 0 and (it + 1) % every == 0)):
             return
         save_checkpoint(self.path / "checkpoints" / f"step_{it + 1}", it, actor_engine, critic_engine, processor,
-                        self.dist, {"monitor": monitor.state_dict()})
+                        self.dist, {"monitor": monitor.state_dict()}, keep=cfg.train.keep_checkpoints)
 
     def finish(self) -> None:
         if self.writer is not None:
@@ -229,23 +234,67 @@ def _full_state_dict(engine):
     return None
 
 
+def forget_after(run_dir: Path, first: int) -> None:
+    """Before a run resumes at iteration `first`: drop what a killed run left past its last complete
+    checkpoint, the half-written checkpoints (`*.tmp`) and the metrics of iterations >= `first`, so that
+    the resumed run's record equals an uninterrupted one's."""
+    for stale in sorted((run_dir / "checkpoints").glob("*.tmp")):
+        shutil.rmtree(stale)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        kept = [line for line in metrics.read_text().splitlines(keepends=True)
+                if line.strip() and json.loads(line)["iteration"] < first]
+        _write_atomically(metrics, "".join(kept))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """`path` holds either its old text or all of `text`, whenever the process dies."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
 def save_checkpoint(out: Path, it: int, actor_engine, critic_engine, processor, dist: Dist,
-                    trainer_state: dict | None = None) -> None:
-    """Every rank takes part (engine states are collective); rank 0 writes the HF-format files."""
+                    trainer_state: dict | None = None, keep: int | None = None) -> None:
+    """Every rank takes part (engine states are collective); rank 0 writes the HF-format files.
+
+    Atomic: everything goes to `step_N.tmp/`, which becomes `step_N/` by a rename once complete, and
+    only then does `checkpoints/latest` (replaced by a rename too) name it. A kill at any moment leaves
+    the previous complete checkpoint in place and named by `latest`. With `keep`, only the newest
+    `keep` checkpoints stay."""
+    tmp = out.with_name(out.name + ".tmp")
     actor_state = _full_state_dict(actor_engine)
     critic_state = _full_state_dict(critic_engine) if critic_engine is not None else None
     if dist.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        actor_engine.module.save_pretrained(out / "actor", state_dict=actor_state)
-        processor.save_pretrained(out / "actor")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        actor_engine.module.save_pretrained(tmp / "actor", state_dict=actor_state)
+        processor.save_pretrained(tmp / "actor")
         if critic_engine is not None:
-            critic_engine.module.save(out / "critic", state_dict=critic_state)
+            critic_engine.module.save(tmp / "critic", state_dict=critic_state)
+    if dist.active:
+        torch.distributed.barrier()  # the folder exists before any rank writes its engine states into it
     for name, engine in (("actor", actor_engine), ("critic", critic_engine)):
         if engine is not None:
-            engine.save_checkpoint(str(out / "deepspeed"), tag=name)
+            engine.save_checkpoint(str(tmp / "deepspeed"), tag=name)
+    if dist.active:
+        torch.distributed.barrier()  # every rank's states are written
     if dist.rank == 0:
-        (out / "trainer_state.json").write_text(json.dumps({"iteration": it, **(trainer_state or {})}))
-        (out.parent / "latest").write_text(out.name)
+        _write_atomically(tmp / "trainer_state.json", json.dumps({"iteration": it, **(trainer_state or {})}))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        _write_atomically(out.parent / "latest", out.name)
+        if keep:
+            steps = sorted((p for p in out.parent.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+                           key=lambda p: int(p.name[5:]))
+            for old in steps[:-keep]:
+                if old != out:
+                    shutil.rmtree(old)
     if dist.active:
         torch.distributed.barrier()
 
