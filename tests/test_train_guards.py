@@ -76,3 +76,27 @@ def test_an_environment_that_raises_ends_only_its_episode(tmp_path, model_cache,
     err = capsys.readouterr().err
     assert f"sokoban level {first}: step 0: ValueError: level state out of bounds" in err
     assert f"sokoban level {second}: reset: OSError: renderer lost its context" in err
+
+
+def test_an_environment_step_that_hangs_is_cut_off_by_the_timeout(tiny_text):
+    import time
+
+    from vagen.config import load_config
+    from vagen.rollout import ChatEncoder, make_env, rollout
+
+    _, model, tokenizer = tiny_text
+    cfg = load_config("sokoban_text", ["rollout.max_new_tokens=8", "rollout.max_turns=2", "env.step_timeout=0.3"])
+
+    class Hanging(_Faulty):
+        def step(self, text):
+            if self.seed == 5:
+                time.sleep(30)
+            return self.env.step(text)
+
+    envs = [Hanging(make_env(cfg.env), {}) for _ in range(2)]
+    t0 = time.perf_counter()
+    episodes, _ = rollout(model, ChatEncoder(tokenizer), cfg, [5, 6], group_size=1, envs=envs)
+    assert time.perf_counter() - t0 < 10
+    assert episodes[0].error.startswith("step 0: EnvTimeout: no answer within env.step_timeout=0.3 s")
+    assert not episodes[0].success and len(episodes[0].turns) == 1
+    assert episodes[1].error is None and len(episodes[1].turns) >= 1

@@ -60,6 +60,9 @@ class EnvConfig:
     max_actions_per_turn: int = _f(3, "actions executed per response at most")
     format_reward: float = _f(0.5, "reward for a response that parses with only valid actions")
     params: dict = _f({}, "env-specific parameters, e.g. {dim_room: [6, 6], num_boxes: 1}")
+    step_timeout: float | None = _f(None, "seconds an environment's reset or step may take before its episode ends as "
+                                          "failed (an alarm in the main thread: pure-Python code is interrupted, a "
+                                          "call inside a C library only when it returns); null = no limit")
 
 
 @dataclass
@@ -371,6 +374,8 @@ def validate(cfg: Config) -> None:
             "uses only each trajectory's score, so the penalty would be ignored; set algo.kl_in_reward=false "
             "(KL as a loss term) or use algo.adv_estimator=turn_gae or gae"
         )
+    if cfg.env.step_timeout is not None and not cfg.env.step_timeout > 0:
+        raise ConfigError(f"env.step_timeout={cfg.env.step_timeout} must be > 0 seconds, or null for no limit")
     if tr.keep_checkpoints is not None and tr.keep_checkpoints < 1:
         raise ConfigError(f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1, or null to keep every checkpoint")
     if algo.loss_norm_tokens is not None and algo.loss_norm_tokens < 1:

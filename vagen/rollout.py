@@ -257,7 +257,8 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
     for i, env in enumerate(envs):
         group = i // group_size
         try:
-            obs, _ = env.reset(seed=seeds[group])
+            with time_limit(cfg.env.step_timeout):
+                obs, _ = env.reset(seed=seeds[group])
             episodes.append(Episode(cfg.env.name, seeds[group], group, env.system_prompt(), initial_observation=obs))
         except Exception as err:  # one environment's fault ends its episode, not the rollout
             episodes.append(Episode(cfg.env.name, seeds[group], group, "", done=True,
@@ -306,7 +307,8 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
             ep.input_ids += ids
             obs = observations[i]
             try:
-                next_obs, reward, terminated, truncated, info = env.step(text)
+                with time_limit(cfg.env.step_timeout):
+                    next_obs, reward, terminated, truncated, info = env.step(text)
             except Exception as err:  # the episode ends here, failed; the rollout goes on
                 ep.error = f"step {len(ep.turns)}: {env_error_summary(err)}"
                 next_obs, reward, terminated, truncated = None, 0.0, True, False
@@ -325,6 +327,33 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
         ep.done = True
     metrics = {"timing/generate": gen_time, "timing/env": env_time, "rollout/generated_tokens": float(gen_tokens)}
     return episodes, metrics
+
+
+class EnvTimeout(TimeoutError):
+    """An environment's reset or step ran past `env.step_timeout`."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """Raise EnvTimeout in the code inside if it runs longer than `seconds` (None: no limit). An alarm
+    signal, so only in the main thread of a Unix process, and only between Python bytecodes."""
+    import signal
+    import threading
+
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise EnvTimeout(f"no answer within env.step_timeout={seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def env_error_summary(err: BaseException) -> str:
