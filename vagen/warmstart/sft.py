@@ -483,9 +483,10 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
 CARD_FILE = "card.json"
 
 
-def write_card(cfg, checkpoint: Path, rows: dict, n: int) -> dict:
+def write_card(cfg, checkpoint: Path, rows: dict, n: int, revision: str | None = None) -> dict:
     """`checkpoint/card.json`: how the warm start was built (from its `STATE_FILE`) and its held-out
-    success on `n` evaluation levels next to the scripted baselines, each with a 95% Wilson interval."""
+    success on `n` evaluation levels next to the scripted baselines (`report`'s rows), each with a 95%
+    Wilson interval; `revision` is the code that evaluated it (default: this checkout's)."""
     from vagen.rollout import wilson_interval
 
     checkpoint = Path(checkpoint)
@@ -501,7 +502,7 @@ def write_card(cfg, checkpoint: Path, rows: dict, n: int) -> dict:
     card = {"name": checkpoint.name, "config": cfg.name, "build": build,
             "build_metrics": {k: v for k, v in state.items() if k.startswith("sft/")},
             "evaluation": {"levels": n, "seeds": f"vagen.warmstart.demos.distinct_eval_seeds(env, {n})",
-                           "code_revision": code_revision(), "rows": evaluation}}
+                           "code_revision": revision or code_revision(), "rows": evaluation}}
     (checkpoint / CARD_FILE).write_text(json.dumps(card, indent=1) + "\n")
     return card
 
