@@ -217,3 +217,19 @@ def test_path_reasoning_is_checked_on_every_generated_token(monkeypatch):
     said = []
     stats = sft.frame_dependence(None, [own, other], 1.0, 0, "cpu", 8, log=said.append, whole_response=True)
     assert stats == {"sft/val_response_accuracy": 0.9, "sft/val_response_accuracy_other_frames": 0.5} and not said
+
+
+def test_a_named_stage_shows_its_steps_out_of_the_total(monkeypatch, capsys):
+    import types
+
+    cfg = load_config("frozenlake_text", SMALL + ["sft.max_steps=30", "sft.min_steps=0", "sft.patience=1"])
+    monkeypatch.setattr(sft, "nll_loss", lambda engine, batch, device: torch.tensor(0.5))
+    monkeypatch.setattr(sft, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": 0.5, "sft/val_nll": 0.1})
+    monkeypatch.setattr("vagen.trajectory.collate", lambda group, pad_id: group)
+    engine = types.SimpleNamespace(module=torch.nn.Linear(1, 1), backward=lambda loss: None, step=lambda: None)
+    samples = [types.SimpleNamespace(length=n) for n in range(10, 30)]
+    stats = sft.train_sft(engine, samples, [], cfg, 0, "cpu", desc="sft: demonstrations")
+    shown = capsys.readouterr()
+    assert stats["sft/step"] == 20  # stopped early: the bar ends where training did, out of the most it could run
+    assert "sft: demonstrations" in shown.err and "20/30" in shown.err and "accuracy=0.500" in shown.err
+    assert "sft/val_answer_accuracy=0.5" in shown.out  # the check lines still print
