@@ -383,6 +383,14 @@ class _MatmulPatchEmbed:
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
+        if weight.numel() == 0 and hasattr(weight, "ds_id"):
+            # A ZeRO-3 partition that is not gathered: DeepSpeed gathers the parameters of a module that
+            # runs, and of others on access only within the whole model's forward; transformers'
+            # `generate` runs the vision tower before that (`get_image_features`), and `proj` never runs.
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.proj.parameters())):
+                return self.forward(hidden_states)
         flat = hidden_states.to(weight.dtype).reshape(-1, weight[0].numel())
         out = flat @ weight.reshape(weight.shape[0], -1).t()
         return out if self.proj.bias is None else out + self.proj.bias

@@ -1,0 +1,71 @@
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+WORKER = Path(__file__).parent / "zero3_worker.py"
+TIMEOUT = 300
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(ranks: int, out: Path, cache: str) -> None:
+    """The DeepSpeed launcher run by this interpreter, so the test runs whether or not the `deepspeed`
+    script is on PATH."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
+           str(_free_port()), str(WORKER), "--out", str(out), "--cache", cache]
+    # A session of its own, so that a timeout ends the ranks too, not only the launcher.
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        stdout, stderr = launcher.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        stdout, stderr = launcher.communicate()
+        raise AssertionError(f"the two ranks did not finish in {TIMEOUT} s (a collective that one rank never "
+                             f"joined?):\n{stdout[-3000:]}\n{stderr[-3000:]}") from None
+    assert launcher.returncode == 0, stdout[-3000:] + stderr[-3000:]
+
+
+def test_zero3_ranks_with_unequal_episodes_decode_in_lockstep_and_train_as_zero0(tmp_path, tiny_vl, model_cache):
+    _launch(2, tmp_path, model_cache)
+    stages = ("zero0", "zero3", "zero3_generate")
+    calls = {(stage, rank): torch.load(tmp_path / f"{stage}_rank{rank}.pt") for stage in stages for rank in (0, 1)}
+    # one training rollout and one evaluation per rank and stage
+    assert all(len(c) == 2 for c in calls.values()), {k: len(c) for k, c in calls.items()}
+    params = {stage: load_file(tmp_path / stage / "checkpoints" / "step_1" / "actor" / "model.safetensors")
+              for stage in stages}
+    initial = tiny_vl[1].state_dict()
+    for k, name in enumerate(("training rollout", "evaluation")):
+        alone = [calls["zero0", rank][k]["forwards"] for rank in (0, 1)]
+        # the ranks' work is unequal: alone, they run different numbers of forward passes ...
+        assert alone[0] != alone[1], f"{name}: both ranks ran {alone[0]} forward passes under ZeRO-0; the test " \
+                                     f"needs ranks with unequal episodes"
+        for stage in stages[1:]:
+            # ... and under ZeRO-3 the rank that is done keeps passing until the other is
+            synced = [calls[stage, rank][k]["forwards"] for rank in (0, 1)]
+            assert synced[0] == synced[1] == max(alone), f"{stage}, {name}: forward passes per rank {synced}, " \
+                                                         f"expected both {max(alone)} (ZeRO-0: {alone})"
+            for rank in (0, 1):  # the same episodes, token for token
+                assert calls[stage, rank][k]["input_ids"] == calls["zero0", rank][k]["input_ids"], (stage, name, rank)
+    # the same update: parameters as ZeRO-0's, gathered from the partitions
+    moved = 0.0
+    for stage in stages[1:]:
+        assert params[stage].keys() == params["zero0"].keys(), sorted(set(params[stage]) ^ set(params["zero0"]))
+        for name, expected in params["zero0"].items():
+            torch.testing.assert_close(params[stage][name], expected, atol=1e-6, rtol=0,
+                                       msg=lambda m, stage=stage, name=name: f"{stage}, {name}: {m}")
+            if name in initial:
+                moved = max(moved, float((expected - initial[name]).abs().max()))
+    assert moved > 1e-4, f"the update moved no parameter by more than {moved}"

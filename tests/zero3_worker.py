@@ -1,0 +1,66 @@
+"""Run under the DeepSpeed launcher by tests/test_zero3.py: one iteration of `vagen.train` (rollout,
+update, evaluation, checkpoint) on two ranks with ZeRO-0, then twice with ZeRO-3 and every parameter
+partitioned (generation with the cache kept across turns, and with transformers' `generate`).
+
+The ranks play unequal episodes: rank 0 three turns of up to 8 new tokens, rank 1 one turn of up to 4;
+in evaluation, 2 and 1 episodes. Each rank saves, per rollout call, how many forward passes its policy
+ran and the token ids of its episodes."""
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+import vagen.rollout as rollout_module
+
+COMMON = ["model.path=builtin:tiny-vl", "rollout.env_groups=2", "rollout.group_size=2", "rollout.max_turns=3",
+          "rollout.temperature=1.0", "train.mini_batch_size=4", "train.micro_batch_size=2", "train.iterations=1",
+          "train.actor_lr=1e-3", "train.critic_lr=1e-3", "eval.every=1", "eval.episodes=3", "eval.videos=0",
+          "log.tensorboard=false", "log.progress=false"]
+# Rank 1's histories reach their length limit after one turn (the first prompt is 182 tokens, the second
+# observation 77), as episodes that end early would.
+PER_RANK = [["rollout.max_new_tokens=8"], ["rollout.max_new_tokens=4", "rollout.max_trajectory_length=220"]]
+# ZeRO-3 twice: with the cache kept across turns (TurnGenerator) and with transformers' generate.
+STAGES = {"zero0": ["train.deepspeed_config=deepspeed/zero0_fp32.json"],
+          "zero3": ["train.deepspeed_config=deepspeed/zero3_fp32.json"],
+          "zero3_generate": ["train.deepspeed_config=deepspeed/zero3_fp32.json", "rollout.reuse_cache=false"]}
+
+calls: list[dict] = []
+
+
+def counting_rollout(model, *args, **kwargs):
+    forwards = [0]
+    handle = model.register_forward_pre_hook(lambda module, inputs: forwards.__setitem__(0, forwards[0] + 1))
+    try:
+        episodes, stats = real_rollout(model, *args, **kwargs)
+    finally:
+        handle.remove()
+    calls.append({"forwards": forwards[0], "input_ids": [ep.input_ids for ep in episodes]})
+    return episodes, stats
+
+
+real_rollout = rollout_module.rollout
+rollout_module.rollout = counting_rollout  # vagen.train and vagen.eval import it when they run
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cache", required=True)
+    args = parser.parse_args()
+    from vagen.train import main as train
+
+    rank = int(os.environ["RANK"])
+    out = Path(args.out)
+    for stage, overrides in STAGES.items():
+        calls.clear()
+        code = train(["--config", "frozenlake_visual", *COMMON, *PER_RANK[rank], f"model.builtin_cache={args.cache}",
+                      *overrides, f"train.run_dir={out}", f"train.run_name={stage}"])
+        assert code == 0, f"{stage}: vagen.train returned {code}"
+        torch.save(list(calls), out / f"{stage}_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
