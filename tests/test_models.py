@@ -127,7 +127,8 @@ def test_the_position_code_is_added_to_each_images_centred_tokens(tiny_vl, tmp_p
     from vagen.config import load_config
     from vagen.models import base_checkpoint
 
-    cfg = load_config("sokoban_visual", ["model.builtin_position_code=true", f"model.builtin_cache={tmp_path}"])
+    cfg = load_config("sokoban_visual", ["model.path=builtin:tiny-vl", "model.builtin_position_code=true",
+                                         f"model.builtin_cache={tmp_path}"])
     path = base_checkpoint(cfg.model)
     assert json.loads((path / "config.json").read_text())["vagen_image_position_code"] is True
     model, processor = load_policy(path)

@@ -134,8 +134,8 @@ def test_a_sokoban_build_runs_perception_demonstrations_and_cell_questions_in_or
         "cells: step 2", "cells: step 4", "cells: step 6"]
     assert 0.0 <= stats["sft/cell_accuracy"] <= 1.0
     state = json.loads((tmp_path / "ws" / sft.STATE_FILE).read_text())
-    assert state["sft/perception_steps"] == 4 and state["sft"]["perception_levels"] == 16
-    assert state["sft"]["cell_questions"] == 12
+    assert state["sft/perception_steps"] == 4 and state["settings"]["sft"]["perception_levels"] == 16
+    assert state["settings"]["sft"]["cell_questions"] == 12
 
 
 def test_the_perception_stage_ends_once_the_model_reads_the_frames_and_warns_if_it_never_does(tmp_path, model_cache, distributed, monkeypatch):
