@@ -225,6 +225,9 @@ def neutral_generation_config(model):
     log-probabilities would not reproduce. Only the options `generate` is given apply."""
     from transformers import GenerationConfig
 
+    if not hasattr(model, "generation_config"):  # a stand-in model with a generate of its own
+        yield
+        return
     own = model.generation_config
     model.generation_config = GenerationConfig()
     try:

@@ -48,12 +48,18 @@ def head_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperat
     and recomputed in backward, so the full [P, V] logits never exist (151,936 vocabulary entries per
     position for Qwen2.5-VL)."""
     rows = hidden.shape[0]
-    if rows == 0:
+    # Under ZeRO-3 over several ranks each call of the head gathers its weight collectively: every rank
+    # runs as many chunks as the busiest (empty ones included), whatever its own number of positions.
+    lockstep = hasattr(lm_head.weight, "ds_id") and _world_size() > 1
+    if rows == 0 and not lockstep:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
-    size = chunk_rows or min(HEAD_CHUNK_ROWS, -(-rows // HEAD_CHUNK_FRACTION))
+    size = max(1, chunk_rows or min(HEAD_CHUNK_ROWS, -(-rows // HEAD_CHUNK_FRACTION)))
+    count = -(-rows // size)
+    if lockstep:
+        count = int(_all_reduce(torch.tensor([count], dtype=torch.float64), "max")[0])
     logprobs, entropies = [], []
-    for start in range(0, rows, size):
+    for start in range(0, count * size, size):
         part = (hidden[start : start + size], targets[start : start + size])
         if torch.is_grad_enabled():
             lp, ent = torch.utils.checkpoint.checkpoint(_head_chunk, lm_head, *part, temperature, with_entropy,
