@@ -186,6 +186,14 @@ def _uses_gradient_checkpointing(module) -> bool:
     return bool(module.training and getattr(module, flag, False))
 
 
+def _partitioned_over_ranks(module) -> bool:
+    """ZeRO-3 over several ranks: every forward pass is collective, so a batch must take the same
+    number of passes on every rank (a shared prefix adds one, a one-row filler batch has none)."""
+    first = next(module.parameters(), None)
+    return (first is not None and hasattr(first, "ds_id") and torch.distributed.is_available()
+            and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1)
+
+
 def forward_shared_prefix(model, inputs: dict[str, torch.Tensor], logits_to_keep: torch.Tensor | None = None,
                           final_hidden: bool = False):
     """`model(**inputs)` on a right-padded batch, with the prefix that all rows share computed once.
@@ -224,7 +232,7 @@ def forward_shared_prefix(model, inputs: dict[str, torch.Tensor], logits_to_keep
         lengths = mask.sum(1) if mask is not None else torch.full((batch_size,), width)
         inputs = {k: v for k, v in inputs.items() if k != "attention_mask"}
         limit = int(logits_to_keep.min()) if logits_to_keep is not None and logits_to_keep.numel() else None
-        if batch_size > 1 and not _uses_gradient_checkpointing(module):
+        if batch_size > 1 and not _uses_gradient_checkpointing(module) and not _partitioned_over_ranks(module):
             prefix = shared_prefix_length(input_ids, lengths, stop_ids, limit)
     if prefix < MIN_SHARED_PREFIX:
         out = model(**inputs, use_cache=False, **extra)
