@@ -64,7 +64,10 @@ def test_zero3_ranks_with_unequal_episodes_decode_in_lockstep_and_train_as_zero0
     for stage in stages[1:]:
         assert params[stage].keys() == params["zero0"].keys(), sorted(set(params[stage]) ^ set(params["zero0"]))
         for name, expected in params["zero0"].items():
-            torch.testing.assert_close(params[stage][name], expected, atol=1e-6, rtol=0,
+            # ZeRO-3 over two ranks runs each batch whole (no shared prompt prefix: every rank must take the
+            # same passes), ZeRO-0 shares the prefix: float sums in another order, which Adam turns into
+            # differences of a few 1e-6 where a gradient is near its eps (docs/training.md).
+            torch.testing.assert_close(params[stage][name], expected, atol=2e-5, rtol=0,
                                        msg=lambda m, stage=stage, name=name: f"{stage}, {name}: {m}")
             if name in initial:
                 moved = max(moved, float((expected - initial[name]).abs().max()))
