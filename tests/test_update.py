@@ -39,7 +39,8 @@ def test_ppo_update_raises_positive_and_lowers_negative_advantage_answers(text_p
     assert 0 <= metrics["actor/clipfrac"] <= 1
 
 
-def test_grpo_advantages_of_a_group_reach_its_tokens(text_policy, distributed):
+def _grpo_group_with_advantages(text_policy, distributed):
+    """One group of four one-turn answers scored 1, 0, 1, 0, annotated, with GRPO advantages."""
     model, encoder = text_policy
     cfg = load_config("bandit_text", ["rollout.group_size=4", "rollout.env_groups=1", "train.mini_batch_size=4"])
     samples = answer_samples(encoder, ["Left", "Right", "Left", "Right"], [0, 0, 0, 0])
@@ -48,6 +49,11 @@ def test_grpo_advantages_of_a_group_reach_its_tokens(text_policy, distributed):
     engine = make_engine(model, cfg, cfg.train.actor_lr, distributed)
     annotate(samples, engine, None, None, cfg, encoder.pad_id, distributed.device)
     compute_advantages(samples, cfg)
+    return samples, encoder
+
+
+def test_grpo_advantages_of_a_group_reach_its_tokens(text_policy, distributed):
+    samples, _ = _grpo_group_with_advantages(text_policy, distributed)
     # scores 1,0,1,0: mean 0.5, unbiased std 0.5774 -> +-0.866 on every generated token
     for sample, sign in zip(samples, [1, -1, 1, -1]):
         generated = sample.extra["advantages"][sample.loss_mask > 0]
@@ -159,15 +165,7 @@ def test_logprobs_at_real_vocabulary_size_peak_within_twice_the_bf16_logits():
 
 
 def test_appended_im_end_keeps_its_advantage_but_gets_no_policy_gradient(text_policy, distributed):
-    model, encoder = text_policy
-    cfg = load_config("bandit_text", ["rollout.group_size=4", "rollout.env_groups=1", "train.mini_batch_size=4",
-                                      "algo.adv_estimator=grpo"])
-    samples = answer_samples(encoder, ["Left", "Right", "Left", "Right"], [0, 0, 0, 0])
-    for sample, score in zip(samples, [1.0, 0.0, 1.0, 0.0]):
-        sample.group_id, sample.score = 0, score
-    engine = make_engine(model, cfg, cfg.train.actor_lr, distributed)
-    annotate(samples, engine, None, None, cfg, encoder.pad_id, distributed.device)
-    compute_advantages(samples, cfg)
+    samples, encoder = _grpo_group_with_advantages(text_policy, distributed)  # bandit_text uses GRPO
     for sample in samples:
         end = int(sample.turn_end_mask.nonzero()[-1])  # the <|im_end|> that `answer_samples` appended
         generated = sample.loss_mask.nonzero().squeeze(-1)
