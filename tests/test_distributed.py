@@ -1,9 +1,9 @@
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from child_env import child_env
 from ppo_reference import ADVANTAGES, ANSWERS, overrides, reference_update
 from update_fixtures import answer_samples
 
@@ -25,7 +25,7 @@ def _free_port() -> int:
 def _launch(ranks: int, out: Path, cache: str):
     """The DeepSpeed launcher run by this interpreter, so the test runs whether or not the `deepspeed`
     script is on PATH."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = child_env()
     port = _free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(port),
            str(WORKER), "--out", str(out), "--cache", cache]

@@ -2,22 +2,16 @@
 trains the checkpoint it is given (never a warm start behind the user's back) and says what it
 trains, where it writes and how to evaluate the result."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 
 from vagen.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 @pytest.mark.parametrize("override, message", [
@@ -57,7 +51,7 @@ def test_a_config_mistake_is_one_line_and_loads_no_torch():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.stdout.split() == ["False", "False"], result.stderr
     run = subprocess.run([sys.executable, "vagen/train.py", "--config", "sokoban_visual", "model.path=/nowhere"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120, env=_clean_env())
+                         cwd=REPO, capture_output=True, text=True, timeout=120, env=child_env())
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [run.stderr.strip()] and "Traceback" not in run.stderr
     assert run.stderr.startswith("config error: model.path='/nowhere' is not a checkpoint")
@@ -84,7 +78,7 @@ def test_a_checkpoint_in_model_path_is_trained_as_given(tmp_path, tiny_text):
             "print('warm-start code imported:', any(m.startswith('vagen.warmstart') for m in sys.modules))\n"
             "raise SystemExit(code)\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
-                            env=_clean_env())
+                            env=child_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warm-start code imported: False" in result.stdout
     assert not cache.exists()  # nothing was built: no built-in, no warm start

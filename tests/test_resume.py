@@ -2,12 +2,12 @@
 happened: the same metrics and the same final parameters as one never interrupted."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from child_env import child_env
 from safetensors.torch import load_file
 
 WORKER = Path(__file__).parent / "kill_worker.py"
@@ -17,7 +17,7 @@ RUN = ["--config", "sokoban_text", "train.iterations=5", "train.save_every=1", "
 
 
 def _train(tmp_path, model_cache, name, *extra, kill=()):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = child_env()
     cmd = [sys.executable, str(WORKER), *kill, *RUN, f"train.run_dir={tmp_path}", f"train.run_name={name}",
            f"model.builtin_cache={model_cache}", *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

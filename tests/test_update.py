@@ -148,15 +148,16 @@ def test_logprobs_at_real_vocabulary_size_peak_within_twice_the_bf16_logits():
     """One forward and backward of a Qwen2.5-VL-shaped bf16 model with the real 151,936-entry vocabulary:
     the log-probabilities and entropies never hold the whole [positions, vocab] logits in float32."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
+    from child_env import child_env
+
     worker = Path(__file__).parent / "memory_worker.py"
     # Fixed mmap threshold: freed tensors go back to the system at once, so resident memory follows the
     # live tensors instead of what malloc keeps in its arenas.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    env = child_env(MALLOC_MMAP_THRESHOLD_="65536")
     result = subprocess.run([sys.executable, str(worker)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import torch
+from child_env import child_env
 from safetensors.torch import load_file
 
 WORKER = Path(__file__).parent / "zero3_worker.py"
@@ -22,7 +23,7 @@ def _free_port() -> int:
 def _launch(ranks: int, out: Path, cache: str) -> None:
     """The DeepSpeed launcher run by this interpreter, so the test runs whether or not the `deepspeed`
     script is on PATH."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = child_env()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
            str(_free_port()), str(WORKER), "--out", str(out), "--cache", cache]
     # A session of its own, so that a timeout ends the ranks too, not only the launcher.
