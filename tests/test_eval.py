@@ -12,11 +12,14 @@ from vagen.models import load_policy, resolve_model_path
 from vagen.rollout import ChatEncoder, eval_seeds
 
 
-def test_evaluating_the_tiny_model_writes_results_with_reference_rows_and_videos(tiny_vl, tmp_path):
+def test_evaluating_the_tiny_model_writes_results_with_reference_rows_and_videos(tiny_vl, tmp_path, capsys):
     path, _, _ = tiny_vl
     out = tmp_path / "eval"
     assert main(["--config", "sokoban_visual", "--checkpoint", str(path), "--episodes", "4", "--videos", "1",
                  "--out", str(out), "rollout.max_new_tokens=16"]) == 0
+    printed = capsys.readouterr()
+    assert f"evaluating {path} on 4 held-out sokoban episodes" in printed.out
+    assert "eval: 100%" in printed.err and "4/4" in printed.err  # the progress bar, with its total
     result = json.loads((out / "results.json").read_text())
     assert result["model"]["episodes"] == 4
     assert [r["seed"] for r in result["episodes"]] == eval_seeds(4)

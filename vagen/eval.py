@@ -105,12 +105,14 @@ def _gather(items: list, dist) -> list:
 
 
 def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0, dist=None,
-             with_baselines: bool = True) -> dict:
+             with_baselines: bool = True, desc: str | None = None) -> dict:
     """Play `episodes` held-out episodes (split across ranks), write results and videos, return
     the model's summary (and the reference rows under "reference"). A sampled evaluation
     (`eval.do_sample`) draws from `eval.sample_seed` + rank: the same checkpoint on the same number
-    of ranks plays the same episodes, and the caller's random state is left as it was."""
+    of ranks plays the same episodes, and the caller's random state is left as it was. With `desc`,
+    a progress bar of that name counts this rank's episodes as they end."""
     from vagen.rollout import eval_seeds, make_env, own_draws, rollout
+    from vagen.run import progress_bar
 
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     seeds = eval_seeds(episodes)
@@ -121,8 +123,12 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
         env.record_frames = seed in video_seeds
     was_training = model.training
     model.eval()
+    bar = progress_bar(len(mine), desc, "episode")
     with own_draws(cfg.eval.sample_seed + rank):
-        played, _ = rollout(model, encoder, cfg, mine, group_size=1, do_sample=cfg.eval.do_sample, envs=envs)
+        played, _ = rollout(model, encoder, cfg, mine, group_size=1, do_sample=cfg.eval.do_sample, envs=envs,
+                            progress=bar)
+    if bar is not None:
+        bar.close()
     model.train(was_training)
     records = [episode_record(ep.seed, [{"reward": t.reward, "info": t.info, "length": t.response_length}
                                         for t in ep.turns], ep.success) for ep in played]
@@ -255,7 +261,9 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else checkpoint.parent / "eval"
     episodes = args.episodes if args.episodes is not None else cfg.eval.episodes
     videos = args.videos if args.videos is not None else cfg.eval.videos
-    summary = evaluate(model, ChatEncoder(processor), cfg, episodes, out, videos=videos, dist=dist)
+    print(f"evaluating {checkpoint} on {episodes} held-out {cfg.env.name} episodes (config {cfg.name})", flush=True)
+    summary = evaluate(model, ChatEncoder(processor), cfg, episodes, out, videos=videos, dist=dist,
+                       desc="eval" if rank == 0 else None)
     if rank == 0:
         print((out / "results.md").read_text())
         print(f"results: {out / 'results.json'}  videos: {summary['videos']} (rank 0)")

@@ -248,9 +248,10 @@ def make_env(cfg_env, seed_env_params: dict | None = None):
 
 
 def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int, *, do_sample: bool | None = None,
-            envs: list | None = None, on_step=None) -> tuple[list[Episode], dict[str, float]]:
+            envs: list | None = None, on_step=None, progress=None) -> tuple[list[Episode], dict[str, float]]:
     """Play `len(seeds) * group_size` episodes (members of a group share a seed) for up to
-    `cfg.rollout.max_turns` turns. Returns the episodes and timing/length metrics."""
+    `cfg.rollout.max_turns` turns. Returns the episodes and timing/length metrics. `progress` (a
+    `vagen.run.progress_bar`) is advanced by one as each episode ends."""
     ro = cfg.rollout
     n = len(seeds) * group_size
     envs = envs if envs is not None else [make_env(cfg.env) for _ in range(n)]
@@ -274,7 +275,17 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
     # Under ZeRO-3 over several ranks, a rank whose episodes have ended keeps generating (idle) while
     # another rank's go on: forward passes are collective there.
     lockstep = Lockstep(model)
+    ended = 0
+
+    def count_ended():
+        nonlocal ended
+        now = sum(ep.done for ep in episodes)
+        if progress is not None and now > ended:
+            progress.update(now - ended)
+        ended = now
+
     for turn in range(ro.max_turns):
+        count_ended()
         active = []
         for i, ep in enumerate(episodes):
             if ep.done:
@@ -328,6 +339,7 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
         env_time += time.perf_counter() - t0
     for ep in episodes:
         ep.done = True
+    count_ended()
     metrics = {"timing/generate": gen_time, "timing/env": env_time, "rollout/generated_tokens": float(gen_tokens)}
     return episodes, metrics
 

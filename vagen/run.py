@@ -202,7 +202,8 @@ class RunDir:
         from vagen.eval import evaluate
 
         summary = evaluate(model, encoder, cfg, cfg.eval.episodes, self.path / "eval" / f"step_{it + 1}",
-                           videos=cfg.eval.videos, dist=self.dist, with_baselines=False)
+                           videos=cfg.eval.videos, dist=self.dist, with_baselines=False,
+                           desc=f"eval step_{it + 1}" if cfg.log.progress and self.is_main else None)
         return {f"eval/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
     def maybe_save(self, it: int, cfg: Config, actor_engine, critic_engine, processor, monitor,
