@@ -113,6 +113,16 @@ class AlgoConfig:
     loss_norm_tokens: int | None = _f(None, "seq-mean-token-sum-norm: the constant each trajectory's token sum is "
                                             "divided by, whatever the padding of a micro-batch; null = the most tokens "
                                             "a trajectory can generate, rollout.max_turns x (rollout.max_new_tokens + 1)")
+    state_reward: str = _f("none", "grade the agent's <observation> (against the state before its actions) and "
+                                   "<prediction> (the state after): none | rules (deterministic F1 of described "
+                                   "relations) | judge (a local causal LM at algo.state_judge_path)")
+    grounding_coef: float = _f(0.5, "turn reward += this x the <observation> score in [0, 1]")
+    worldmodeling_coef: float = _f(0.5, "turn reward += this x the <prediction> score in [0, 1]")
+    state_judge_path: str | None = _f(None, "algo.state_reward=judge: directory of a Hugging Face causal LM "
+                                            "(config.json, tokenizer); nothing is downloaded")
+    state_repeat_window: int = _f(512, "anti-hacking: the last N graded descriptions a repeat is looked for in")
+    state_repeat_states: int = _f(3, "anti-hacking: a description written verbatim for more than this many different "
+                                     "true states within the window scores 0")
 
 
 @dataclass
@@ -228,6 +238,7 @@ CHOICES = {
     ("algo", "token_selection"): ("all", "answer", "think_answer", "entropy"),
     ("algo", "filter_mode"): ("none", "std", "std_rev"),
     ("algo", "kl_kind"): ("k1", "k2", "k3", "abs"),
+    ("algo", "state_reward"): ("none", "rules", "judge"),
     ("algo", "loss_agg"): ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
 }
 
@@ -374,6 +385,7 @@ def validate(cfg: Config) -> None:
             "uses only each trajectory's score, so the penalty would be ignored; set algo.kl_in_reward=false "
             "(KL as a loss term) or use algo.adv_estimator=turn_gae or gae"
         )
+    _check_state_reward(cfg)
     if cfg.env.step_timeout is not None and not cfg.env.step_timeout > 0:
         raise ConfigError(f"env.step_timeout={cfg.env.step_timeout} must be > 0 seconds, or null for no limit")
     if tr.keep_checkpoints is not None and tr.keep_checkpoints < 1:
@@ -396,6 +408,38 @@ def validate(cfg: Config) -> None:
             "model.path=builtin:tiny-text cannot see images but env.render_mode=vision; use "
             "model.path=builtin:tiny-vl or env.render_mode=text"
         )
+
+
+def _check_state_reward(cfg: Config) -> None:
+    from envs_visual import PROMPT_FORMATS
+
+    algo = cfg.algo
+    if algo.state_judge_path and algo.state_reward != "judge":
+        raise ConfigError(f"algo.state_judge_path={algo.state_judge_path!r} is used only with algo.state_reward=judge "
+                          f"(got {algo.state_reward}); set algo.state_reward=judge or drop the path")
+    if algo.state_reward == "none":
+        return
+    graded = [f for f in ("observation", "prediction") if f in (PROMPT_FORMATS.get(cfg.env.prompt_format) or ())]
+    if not graded:
+        raise ConfigError(
+            f"algo.state_reward={algo.state_reward} grades <observation> and <prediction>, but env.prompt_format="
+            f"{cfg.env.prompt_format} has neither; use env.prompt_format=grounding_worldmodeling (or grounding, "
+            f"worldmodeling), or algo.state_reward=none")
+    for key in ("grounding_coef", "worldmodeling_coef"):
+        if getattr(algo, key) < 0:
+            raise ConfigError(f"algo.{key}={getattr(algo, key)} must be >= 0 (0 turns that score off)")
+    if algo.state_repeat_window < 1 or algo.state_repeat_states < 1:
+        raise ConfigError(f"algo.state_repeat_window={algo.state_repeat_window} and algo.state_repeat_states="
+                          f"{algo.state_repeat_states} must be >= 1")
+    if algo.state_reward == "judge":
+        if not algo.state_judge_path:
+            raise ConfigError("algo.state_reward=judge scores descriptions with a local causal LM, but "
+                              "algo.state_judge_path is not set; set it to the model's directory (with config.json "
+                              "and tokenizer files), or use algo.state_reward=rules")
+        judge = Path(algo.state_judge_path).expanduser()
+        if not (judge / "config.json").exists():
+            raise ConfigError(f"algo.state_judge_path={algo.state_judge_path!r} is not a model directory: no "
+                              f"config.json in {judge}; download the model beforehand and pass its directory")
 
 
 def kept_groups(cfg: Config) -> int:

@@ -44,6 +44,9 @@ def summarize(records: list[dict]) -> dict:
         "format_ok": mean("format_ok"),
         "action_valid": mean("action_valid"),
         "response_length": mean("response_length"),
+        # grades of the agent's <observation> / <prediction> against the true state (structured formats)
+        "grounding_score": mean("grounding_score"),
+        "worldmodel_score": mean("worldmodel_score"),
     }
 
 
@@ -59,7 +62,13 @@ def episode_record(seed: int, turns: list[dict], success: bool) -> dict:
         "format_ok": float(np.mean([bool(t["info"].get("format_ok")) for t in turns])) if turns else 0.0,
         "action_valid": float(np.mean([bool(t["info"].get("action_is_valid")) for t in turns])) if turns else 0.0,
         "response_length": float(np.mean([t["length"] for t in turns])) if turns and "length" in turns[0] else None,
+        **{key: _mean_present([t["info"].get(key) for t in turns]) for key in ("grounding_score", "worldmodel_score")},
     }
+
+
+def _mean_present(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
 
 
 def play_reference(cfg, seed: int, policy: str) -> dict | None:
@@ -179,6 +188,19 @@ def results_table(env_name: str, model: dict, references: dict) -> str:
     return f"### {env_name}\n\n{header}{body}"
 
 
+def think_with_scores(info: dict) -> str:
+    """The <think> fields of a structured response, each labelled, with the grade of <observation>
+    and <prediction> against the true state next to them ("" for a free-form or unparsed response)."""
+    parsed = info.get("parsed") or {}
+    scores = {"observation": info.get("grounding_score"), "prediction": info.get("worldmodel_score")}
+    parts = []
+    for name in ("observation", "reasoning", "prediction"):
+        if parsed.get(name):
+            score = scores.get(name)
+            parts.append(f"{name}{f' [score {score:.2f}]' if score is not None else ''}: {parsed[name]}")
+    return "  ".join(parts)
+
+
 def write_video(cfg, episode, out_dir: Path) -> list[Path]:
     """mp4 + GIF of one episode: a frame per executed action with the turn's think and answer."""
     from vagen.rollout import make_env
@@ -196,7 +218,7 @@ def write_video(cfg, episode, out_dir: Path) -> list[Path]:
     steps, total = [], 0.0
     for number, turn in enumerate(episode.turns, start=1):
         parsed = turn.info.get("parsed", {})
-        think, answer = parsed.get("think", ""), parsed.get("answer") or turn.response
+        think, answer = think_with_scores(turn.info) or parsed.get("think", ""), parsed.get("answer") or turn.response
         frames = turn.info.get("frames", [])
         action_total = sum(r for _, r, _ in frames)
         for k, (action, reward, frame) in enumerate(frames):

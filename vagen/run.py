@@ -147,9 +147,9 @@ class RunDir:
         run.resume_from = resume_from
         return run
 
-    def maybe_resume(self, cfg: Config, actor_engine, critic_engine, monitor) -> int:
-        """Load engine states and the collapse monitor's history of the checkpoint being resumed;
-        return the first iteration to run."""
+    def maybe_resume(self, cfg: Config, actor_engine, critic_engine, monitor, tracked: dict | None = None) -> int:
+        """Load engine states, the collapse monitor's history and the states of `tracked` (name ->
+        object with `load_state_dict`) from the checkpoint being resumed; return the first iteration to run."""
         if self.resume_from is None:
             return 0
         ckpt = self.resume_from
@@ -161,6 +161,9 @@ class RunDir:
         state = json.loads((ckpt / "trainer_state.json").read_text())
         if "monitor" in state:
             monitor.load_state_dict(state["monitor"])
+        for name, obj in (tracked or {}).items():
+            if name in state:
+                obj.load_state_dict(state[name])
         if self.is_main:
             print(f"resuming from {ckpt} at iteration {state['iteration'] + 1}", flush=True)
         return int(state["iteration"]) + 1
@@ -207,13 +210,15 @@ class RunDir:
         return {f"eval/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
     def maybe_save(self, it: int, cfg: Config, actor_engine, critic_engine, processor, monitor,
-                   force: bool = False) -> None:
+                   force: bool = False, tracked: dict | None = None) -> None:
         last = it + 1 == cfg.train.iterations
         every = cfg.train.save_every
         if not (force or last or (every > 0 and (it + 1) % every == 0)):
             return
         save_checkpoint(self.path / "checkpoints" / f"step_{it + 1}", it, actor_engine, critic_engine, processor,
-                        self.dist, {"monitor": monitor.state_dict()}, keep=cfg.train.keep_checkpoints)
+                        self.dist, {"monitor": monitor.state_dict(),
+                                    **{name: obj.state_dict() for name, obj in (tracked or {}).items()}},
+                        keep=cfg.train.keep_checkpoints)
 
     def finish(self) -> None:
         if self.writer is not None:

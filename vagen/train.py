@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     from vagen.models import ValueModel, base_checkpoint, load_policy, set_pixel_bounds
     from vagen.rollout import ChatEncoder, make_env, rollout, rollout_metrics, train_seeds
     from vagen.run import RunDir, reduce_metrics
+    from vagen.state_reward import state_rewarder
     from vagen.trajectory import episode_to_sample
     from vagen.update import annotate, batch_indicators, compute_advantages, filter_groups, ppo_update
 
@@ -88,7 +89,10 @@ def main(argv=None) -> int:
     actor_engine = make_engine(actor, cfg, cfg.train.actor_lr, dist)
     critic_engine = make_engine(critic, cfg, cfg.train.critic_lr, dist) if critic is not None else None
     monitor = core.CollapseMonitor()
-    start = run.maybe_resume(cfg, actor_engine, critic_engine, monitor)
+    rewarder = state_rewarder(cfg, dist)
+    # What a resumed run must restore besides the engines (the state reward's recent descriptions).
+    tracked = {"state_reward": rewarder.tracker} if rewarder is not None else {}
+    start = run.maybe_resume(cfg, actor_engine, critic_engine, monitor, tracked)
     generator = torch.Generator()
     groups_per_rank = cfg.rollout.env_groups // dist.world_size
     # Environments live for the whole run (reset with new seeds each iteration): a MuJoCo renderer
@@ -108,6 +112,8 @@ def main(argv=None) -> int:
         my_seeds = seeds[dist.rank * groups_per_rank : (dist.rank + 1) * groups_per_rank]
         actor_engine.module.eval()
         episodes, stats = rollout(actor_engine.module, encoder, cfg, my_seeds, cfg.rollout.group_size, envs=envs)
+        if rewarder is not None:  # before any use of the rewards
+            stats.update(rewarder(episodes))
         stats.update(rollout_metrics(episodes))
         for ep in episodes:  # an environment that raised ended only its own episode
             if ep.error is not None:
@@ -154,7 +160,7 @@ def main(argv=None) -> int:
             progress.update(it, stats)
         # Steps that keep failing (a non-finite loss or gradient) end the run, with a checkpoint to look into.
         stop = bad_steps_in_a_row >= cfg.train.max_bad_steps
-        run.maybe_save(it, cfg, actor_engine, critic_engine, processor, monitor, force=stop)
+        run.maybe_save(it, cfg, actor_engine, critic_engine, processor, monitor, force=stop, tracked=tracked)
         if stop:
             if is_main_process:
                 print(f"stopping at iteration {it}: the last {bad_steps_in_a_row} optimizer steps were skipped for a "
