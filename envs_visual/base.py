@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from envs_visual.state_grader import Vocabulary, describe_grid, grade, grid_vocabulary, plural
+
 IMAGE_PLACEHOLDER = "<image>"
 
 # Each format is the ordered list of fields inside <think>; "" means no <think> block at all and
@@ -156,12 +158,18 @@ class TextActionEnv:
     `_apply(action) -> (reward, effective)`, `_success()`, `render_text()`, `render_image()`,
     `_task_prompt()`, `_turn_prompt()` and `state()`. Environments whose answer is not a list of
     named actions (e.g. an arithmetic expression) override `_parse_actions`.
+
+    Environments whose state can be described set `state_weights` ({kind: weight}) and implement
+    `state_relations()`; `step` then grades the response's `<observation>` and `<prediction>`
+    (`envs_visual.state_grader`) into `info["grounding_score"]` and `info["worldmodel_score"]`.
     """
 
     name = "base"
     action_names: tuple[str, ...] = ()
     example_answer = ""
     render_modes = ("vision", "text")
+    # {kind: weight} of the state grader; empty: the env's state is not graded
+    state_weights: dict[str, float] = {}
 
     def __init__(
         self,
@@ -210,6 +218,7 @@ class TextActionEnv:
         if self.seed is None:
             raise RuntimeError(f"{self.name}: call reset(seed=...) before step()")
         parsed = parse_response(response, self.prompt_format)
+        state_before = self.state_relations() if self.state_weights else []
         actions, all_valid = self._parse_actions(parsed.answer) if parsed.ok else ([], False)
         reward, executed, effective = 0.0, [], False
         terminated = truncated = False
@@ -247,10 +256,53 @@ class TextActionEnv:
             "parsed": parsed.fields(),
             "steps": self.steps,
         }
+        info.update(self._state_scores(parsed, state_before))
         if self.record_frames:
             info["frames"] = frames  # (action, reward, frame) per executed action, for episode videos
         info.update(self._step_info())
         return self.observation(self._turn_prompt(info)), float(reward), terminated, truncated, info
+
+    def _state_scores(self, parsed: ParsedResponse, state_before: list[tuple[str, str, str]]) -> dict[str, Any]:
+        """`grounding_score` (the observation against the state before the actions) and
+        `worldmodel_score` (the prediction against the state after them), each None when the format
+        has no such field, the response did not parse or the env is not graded; `state_before` and
+        `state_after`: the true relations as lists of lists."""
+        state_after = self.state_relations() if self.state_weights else []
+        fields = PROMPT_FORMATS[self.prompt_format] or ()
+        graded = parsed.ok and bool(self.state_weights)
+        vocabulary = self.state_vocabulary() if graded else None
+
+        def score(name: str, relations) -> float | None:
+            if not graded or name not in fields:
+                return None
+            return grade(getattr(parsed, name), relations, self.state_weights, vocabulary)
+
+        return {
+            "grounding_score": score("observation", state_before),
+            "worldmodel_score": score("prediction", state_after),
+            "state_before": [list(r) for r in state_before],
+            "state_after": [list(r) for r in state_after],
+        }
+
+    # -- state description ---------------------------------------------------------------------
+    def state_relations(self) -> list[tuple[str, str, str]]:
+        """The true (object, a, b) relations of the current state (`envs_visual.state_grader`);
+        [] for an env whose state is not graded."""
+        return []
+
+    def state_vocabulary(self) -> Vocabulary:
+        """The phrases the grader recognises: by default each kind of `state_weights`."""
+        if not self.state_weights:
+            raise ValueError(f"{self.name}: this env has no state_weights, so there is nothing to grade; "
+                             "set state_weights and implement state_relations() to grade descriptions")
+        return grid_vocabulary(list(self.state_weights))
+
+    def describe_state(self, relations=None) -> str:
+        """`relations` (default: the current ones) in the env's own words, one sentence per object;
+        `grade(describe_state(r), r, ...)` is 1.0."""
+        relations = self.state_relations() if relations is None else relations
+        names = {kind: (f"The {kind}", f"A {kind}") for kind in self.state_weights}
+        return describe_grid(relations, names, {kind: f"There are no {plural(kind)}." for kind in self.state_weights})
 
     def system_prompt(self) -> str:
         parts = [

@@ -18,6 +18,9 @@ classical FrozenLake semantics), drawn from the environment's own generator seed
 `P` player, `X` player in a hole, `√` player on the goal.
 `state()` returns the same facts as plain data: `{"size": (n, n), "player": (row, col),
 "start": (row, col), "goal": (row, col), "holes": [(row, col), ...]}` (rows from the top).
+`state_relations()` gives the goal and each hole relative to the player, e.g. `("goal", "below",
+"right")` (`envs_visual.state_grader`); `describe_state()` says them in words. The state grader
+weighs the goal 0.7 and the holes 0.3 (`state_weights`).
 
 ## Reward
 1.0 on reaching the goal, 0 otherwise. The episode is `terminated` on the goal (`success`) or in a
@@ -41,6 +44,7 @@ from PIL import Image
 
 from envs_visual.base import TextActionEnv
 from envs_visual.grid import DIRECTIONS, bfs_path, check_cell_size, load_sprites, tile_image
+from envs_visual.state_grader import grid_relation, grid_vocabulary
 
 # Classical order (0 Left, 1 Down, 2 Right, 3 Up): perpendicular moves are (a - 1) % 4, (a + 1) % 4.
 ACTIONS = ("Left", "Down", "Right", "Up")
@@ -146,6 +150,7 @@ class FrozenLakeEnv(TextActionEnv):
     name = "frozenlake"
     action_names = ACTIONS
     example_answer = "Down, Right"
+    state_weights = {"goal": 0.7, "hole": 0.3}
 
     def __init__(
         self,
@@ -233,6 +238,16 @@ class FrozenLakeEnv(TextActionEnv):
             "holes": [tuple(x) for x in np.argwhere(level.holes).tolist()],
         }
 
+    def state_relations(self) -> list[tuple[str, str, str]]:
+        """The goal, then each hole (row-major), relative to the player."""
+        if self.level is None:
+            return []
+        holes = [grid_relation("hole", self.player, h) for h in np.argwhere(self.level.holes).tolist()]
+        return [grid_relation("goal", self.player, self.level.goal)] + holes
+
+    def state_vocabulary(self):
+        return grid_vocabulary({"goal": "goal", "flag": "goal", "hole": "hole", "pit": "hole"})
+
     # -- rendering ------------------------------------------------------------------------------
     def _ids(self) -> np.ndarray:
         ids = self._base_ids.copy()
@@ -270,8 +285,7 @@ class FrozenLakeEnv(TextActionEnv):
 
     def _example_fields(self) -> dict[str, str]:
         return {
-            "observation": "The player is at row 1, column 1; the goal is at row 2, column 2; there is a "
-            "hole at row 1, column 2.",
+            "observation": "The goal is below and to the right of me. The hole is on my right, in the same row.",
             "reasoning": "Going right first would fall into the hole, so I go down, then right.",
-            "prediction": "The player is on the goal at row 2, column 2.",
+            "prediction": "The goal is at my position. The hole is directly above me, in the same column.",
         }

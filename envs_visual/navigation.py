@@ -32,6 +32,12 @@ a description of the view: heading, how many steps are free in each direction, a
 the field of view (not behind a wall) with their distance and direction.
 `render_topdown()` draws the map with the agent's path; `render_video_frame()` puts it beside the
 first-person frame. `state()` returns the level and the pose as plain data.
+`state_relations()` gives the target as `(description, a, b)` when it is in view (as the text
+observation lists it, `visible_objects()`), else nothing: `a` is "ahead" when the text would say
+"straight ahead" (|bearing| < 5 degrees), else "left" or "right"; `b` is "near" when the distance
+the text prints (one decimal) is at most `NEAR_DISTANCE` (2.0 m), else "far". `describe_state()`
+says it in the text observation's words ("The red table is 30 degrees to my left, far, 3.2 m
+away."); the state grader weighs the target 1.0 (`state_weights`).
 `info` adds `distance` (metres from the camera to the closest point of the target's footprint),
 `pose`, `target` and `blocked` (blocked moves this turn) to the shared keys.
 
@@ -65,6 +71,7 @@ from envs_visual.navigation_scene import (
     NavigationScene,
     footprint,
 )
+from envs_visual.state_grader import NEAR_DISTANCE, egocentric_vocabulary
 
 AGENT_RADIUS = 0.18  # metres; the agent is a disc this wide for collisions
 MAX_PITCH = 60.0  # degrees up or down
@@ -517,6 +524,58 @@ class NavigationEnv(TextActionEnv):
     def _require_reset(self, what: str) -> None:
         if self.level is None:
             raise RuntimeError(f"{self.name}: call reset(seed=...) before {what}()")
+
+    # -- state description ----------------------------------------------------------------------
+    @property
+    def state_weights(self) -> dict[str, float]:
+        """The state grader's weights: the target (by its description) only; {} before `reset`."""
+        return {self.level.objects[self.level.target].description: 1.0} if self.level is not None else {}
+
+    def _target_in_view(self) -> dict[str, Any] | None:
+        target = self.level.objects[self.level.target].description
+        return next((o for o in self.visible_objects() if o["description"] == target), None)
+
+    def state_relations(self) -> list[tuple[str, str, str]]:
+        """[(target description, left | right | ahead, near | far)] when the target is in view, else []."""
+        if self.level is None:
+            return []
+        seen = self._target_in_view()
+        if seen is None:
+            return []
+        b = seen["bearing"]
+        side = "ahead" if abs(b) < 5 else "left" if b > 0 else "right"
+        near = float(f"{seen['distance']:.1f}") <= NEAR_DISTANCE
+        return [(seen["description"], side, "near" if near else "far")]
+
+    def state_vocabulary(self):
+        """The target's description, its shape alone and "target"; other objects' descriptions are
+        recognised so that what is said about them is not taken for the target."""
+        target = self.level.objects[self.level.target]
+        names: dict[str, str | None] = {f"{c} {k}": None for k in OBJECT_KINDS for c in COLOURS}
+        names.update({target.description: target.description, target.kind: target.description,
+                      "target": target.description, "target object": target.description})
+        return egocentric_vocabulary(names)
+
+    def describe_state(self, relations=None) -> str:
+        """The target in the text observation's words, or that it is not in view. `relations` (from
+        `state_relations`, default the current ones) give the words; the degrees and metres are read
+        from the current pose when its relations are those given, else left out."""
+        self._require_reset("describe_state")
+        target = self.level.objects[self.level.target].description
+        current = self.state_relations()
+        relations = current if relations is None else [tuple(r) for r in relations]
+        if not relations:
+            return f"The {target} is not in view."
+        _, side, dist = relations[0]
+        seen = self._target_in_view() if relations == current else None
+        if side == "ahead":
+            where = "straight ahead"
+        elif seen is not None:
+            where = f"{abs(seen['bearing']):.0f} degrees to my {side}"
+        else:
+            where = f"on my {side}"
+        metres = f", {seen['distance']:.1f} m away" if seen is not None else ""
+        return f"The {target} is {where}, {dist}{metres}."
 
     # -- planner --------------------------------------------------------------------------------
     def solve(self) -> list[str]:

@@ -20,6 +20,9 @@ cell). `render_mode="text"`: the grid as text, one row per line: `#` wall, `_` f
 `X` box, `√` box on target, `P` player, `S` player on target.
 `state()` returns the same facts as plain data: `{"size": (H, W), "player": (row, col),
 "boxes": [(row, col), ...], "targets": [...], "walls": [...]}` (lists sorted, rows from the top).
+`state_relations()` gives each box and target relative to the player, e.g. `("box", "above",
+"left")` (`envs_visual.state_grader`); `describe_state()` says them in words ("The box is above and
+to the left of me."). The state grader weighs boxes and targets 0.5 each (`state_weights`).
 
 ## Reward
 Per executed action (as in gym-sokoban): -0.1; +1 when a box lands on a target; -1 when a box
@@ -45,6 +48,7 @@ from PIL import Image
 
 from envs_visual.base import TextActionEnv
 from envs_visual.grid import DIRECTIONS, check_cell_size, load_sprites, tile_image
+from envs_visual.state_grader import grid_relation, grid_vocabulary
 
 ACTIONS = ("Up", "Down", "Left", "Right")
 TILE_NAMES = ("wall", "floor", "target", "box", "box_on_target", "player", "player_on_target")
@@ -391,6 +395,7 @@ class SokobanEnv(TextActionEnv):
     name = "sokoban"
     action_names = ACTIONS
     example_answer = "Left, Up"
+    state_weights = {"box": 0.5, "target": 0.5}
 
     def __init__(
         self,
@@ -507,6 +512,18 @@ class SokobanEnv(TextActionEnv):
             "walls": [rc(i) for i, wall in enumerate(self.walls) if wall],
         }
 
+    def state_relations(self) -> list[tuple[str, str, str]]:
+        """Each box, then each target, relative to the player (a box on a target appears as both)."""
+        if self.level is None:
+            return []
+        w, player = self.width, divmod(self.player, self.width)
+        boxes = [grid_relation("box", player, divmod(b, w)) for b in sorted(self.boxes)]
+        return boxes + [grid_relation("target", player, divmod(t, w)) for t in self.level.targets]
+
+    def state_vocabulary(self):
+        return grid_vocabulary({"box": "box", "crate": "box", "target": "target", "goal": "target",
+                                "storage": "target", "dock": "target"})
+
     # -- rendering ------------------------------------------------------------------------------
     def _ids(self) -> np.ndarray:
         ids = self._base_ids.copy()
@@ -546,8 +563,7 @@ class SokobanEnv(TextActionEnv):
 
     def _example_fields(self) -> dict[str, str]:
         return {
-            "observation": "The player is at row 3, column 3; the box is at row 3, column 2; the target is "
-            "at row 2, column 1.",
+            "observation": "The box is on my left, in the same row. The target is above and to the left of me.",
             "reasoning": "Pushing the box left brings it under the target; then I go around to push it up.",
-            "prediction": "The box is at row 3, column 1, the player at row 2, column 2.",
+            "prediction": "The box is below and to the left of me. The target is on my left, in the same row.",
         }
