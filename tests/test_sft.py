@@ -72,6 +72,17 @@ def test_a_build_writes_the_checkpoint_what_built_it_and_a_card(tmp_path, model_
     assert model.config.get_text_config().vocab_size > 0
 
 
+def test_a_build_under_zero3_is_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "ws"
+    with pytest.raises(SystemExit) as exit_info:
+        sft.main(["--config", "frozenlake_text", "--out", str(out), "train.deepspeed_config=deepspeed/zero3_fp32.json"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "train.deepspeed_config=deepspeed/zero3_fp32.json partitions the parameters (ZeRO stage 3)" in err
+    assert "deepspeed/zero2_bf16.json" in err
+    assert not out.exists()
+
+
 def test_evaluating_an_existing_warm_start_rewrites_only_its_card(tmp_path, tiny_text, capsys):
     import shutil
 

@@ -533,6 +533,13 @@ def main(argv=None) -> int:
     from vagen.config import load_config_or_exit
 
     cfg = load_config_or_exit(args.config, args.overrides)
+    if not args.evaluate and zero_stage(cfg) == 3:
+        # Its stages hand one model from engine to engine and save it with save_pretrained: under ZeRO-3
+        # the module holds only this rank's shards, and the saved weights were empty.
+        parser.error(f"train.deepspeed_config={cfg.train.deepspeed_config} partitions the parameters (ZeRO stage 3), "
+                     f"which a warm-start build does not support; build it with train.deepspeed_config="
+                     f"deepspeed/zero2_bf16.json (model.dtype=bfloat16) or deepspeed/zero0_fp32.json, then train "
+                     f"from it with ZeRO-3")
     if args.evaluate:
         checkpoint = Path(args.evaluate)
         n = args.eval or 256
@@ -554,6 +561,16 @@ def main(argv=None) -> int:
         print(f"card written to {out / CARD_FILE}", flush=True)
     print(f"train from it: deepspeed vagen/train.py --config {args.config} model.path={out}", flush=True)
     return 0
+
+
+def zero_stage(cfg) -> int:
+    """The ZeRO stage of the DeepSpeed config `train.deepspeed_config` names."""
+    from vagen.config import CONFIGS_DIR
+
+    path = CONFIGS_DIR / cfg.train.deepspeed_config
+    if not path.exists():
+        return 0  # make_engine names the missing file and the choices
+    return int(json.loads(path.read_text()).get("zero_optimization", {}).get("stage", 0))
 
 
 def report(cfg, checkpoint: Path, n: int) -> dict:
