@@ -181,7 +181,7 @@ _MARKERS = {"one", "another", "other"}
 _PLAYER_SUBJECT = re.compile(r"^(?:and\s+|now\s+|then\s+|so\s+)*(?:i am|i stand|the player is|player is|"
                              r"the agent is|agent is|the player stands|i will be|i would be)\b")
 _CLAUSES = re.compile(r"[.;:!?,\n]+")
-_NUMBER = r"(\d+(?:\.\d+)?)"
+_NUMBER = r"([0-9]{1,6}(?:\.[0-9]{1,6})?)"
 
 
 def _egocentric_numbers(text: str, near_distance: float) -> str:
@@ -205,7 +205,7 @@ def _normalise(text: str, vocabulary: Vocabulary) -> str:
         text = _egocentric_numbers(text, vocabulary.near_distance)
     # "two rows above": a distance, not a count of objects
     words = "|".join(_NUMBER_WORDS)
-    text = re.sub(rf"\b(?:\d+(?:\.\d+)?|{words}|a few|several)\s+{_UNITS}\b", " ", text)
+    text = re.sub(rf"\b(?:[0-9]+(?:\.[0-9]+)?|{words}|a few|several)\s+{_UNITS}\b", " ", text)
     for pattern, repl in (_GRID if vocabulary.scheme == "grid" else _EGOCENTRIC):
         text = re.sub(pattern, repl, text)
     return text
@@ -315,7 +315,7 @@ def _open_group(match: re.Match, clause: str, vocabulary: Vocabulary) -> _Group:
     count, article = None, False
     if before:
         word = before[-1]
-        if word.isdigit():
+        if re.fullmatch(r"[0-9]{1,6}", word):
             count, article = min(int(word), 50), True
         elif word in _NUMBER_WORDS:
             count, article = _NUMBER_WORDS[word], True
