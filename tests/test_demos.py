@@ -302,3 +302,25 @@ def test_scripted_baselines_rank_the_scripted_policies_and_follow_teacher_styles
     env = make_env(load_config("frozenlake_visual").env, {"render_mode": "text"})
     assert drawn["successes"] == sum(play_demo(env, s, "teacher", 3, draw_style=True).success for s in seeds)
     assert "teacher, best style" not in scripted_baselines(load_config("sokoban_text"), seeds[:4])
+
+
+@pytest.mark.parametrize("name, policy", [("sokoban", "teacher"), ("frozenlake", "teacher"), ("navigation", "solver")])
+def test_grounding_demonstrations_describe_the_state_before_and_after_each_turn(name, policy):
+    env = envs_visual.make(name, render_mode="text", prompt_format="grounding_worldmodeling")
+    scores = []
+    for seed in range(8 if name == "navigation" else 20):
+        demo = play_demo(env, seed, policy, max_turns=3)
+        env.reset(seed=seed)
+        for text in demo.responses:
+            parsed = envs_visual.parse_response(text, env.prompt_format)
+            assert parsed.observation == env.describe_state(), text
+            _, _, _, _, info = env.step(text)
+            assert parsed.prediction == env.describe_state(), text
+            scores += [info["grounding_score"], info["worldmodel_score"]]
+    assert len(scores) >= 16 and set(scores) == {1.0}
+    if name == "navigation":  # some turns see the target, so their descriptions place it
+        assert any("m away" in text for text in demo_texts(env, policy))
+
+
+def demo_texts(env, policy):
+    return [text for seed in range(8) for text in play_demo(env, seed, policy, max_turns=3).responses]

@@ -209,7 +209,13 @@ def sokoban_path(states: list[dict], actions: list[str], style: str | None = Non
     return {"observation": clauses[0], "reasoning": " ".join(clauses)}
 
 
-REASONING = {"frozenlake": frozenlake_reasoning, "sokoban": sokoban_reasoning}
+def navigation_reasoning(state: dict, actions: list[str], rng: np.random.Generator,
+                         style: str | None = None) -> dict[str, str]:
+    """How far the target is and the first move (the observation field comes from `describe_state`)."""
+    return {"reasoning": f"The target is {state['distance']:.1f} m away. {_decision(actions, 'take', rng)}"}
+
+
+REASONING = {"frozenlake": frozenlake_reasoning, "sokoban": sokoban_reasoning, "navigation": navigation_reasoning}
 PATH_REASONING = {"frozenlake": frozenlake_path, "sokoban": sokoban_path}
 PLAN_REASONING = {"sokoban": functools.partial(sokoban_path, aims=True)}
 REASONING_KINDS = ("near", "path", "plan")
@@ -234,6 +240,7 @@ def reasoning(env_name: str, states: list[dict], actions: list[str], rng: np.ran
 
 
 def _prediction(env_name: str, after: dict, success: bool) -> str:
+    """The prediction of an env without state relations (`state_weights`)."""
     if success:
         return "I am on the goal." if env_name == "frozenlake" else "The box is on the target."
     r, c = after["player"]
@@ -256,9 +263,10 @@ def teacher_styles(env) -> tuple:
 
 
 def _plan(env, policy: str, rng: np.random.Generator,
-          style: str | None = None) -> tuple[list[str], list[dict], dict, bool]:
+          style: str | None = None) -> tuple[list[str], list[dict], dict, bool, str]:
     """Up to `max_actions_per_turn` actions from the env's current state, simulated on a shadow copy;
-    returns (actions, the state before each of them, state after them, success after them)."""
+    returns (actions, the state before each of them, state after them, success after them, the
+    state after them in the env's words: `describe_state`, "" for an env without state relations)."""
     sim = _shadow(env)
     if policy == "solver":
         # no path (e.g. a slip into a dead end): one action keeps the response well-formed
@@ -283,7 +291,7 @@ def _plan(env, policy: str, rng: np.random.Generator,
         success = bool(info["success"])
         if terminated or truncated:
             break
-    return actions, states, sim.state(), success
+    return actions, states, sim.state(), success, sim.describe_state() if sim.state_weights else ""
 
 
 def play_demo(env, seed: int, policy: str, max_turns: int, style: str | None = None,
@@ -291,7 +299,8 @@ def play_demo(env, seed: int, policy: str, max_turns: int, style: str | None = N
     """Play one episode of `policy` (teacher | solver | random) on `env` from `seed`. A teacher with
     styles (`teacher_styles`) plays the given `style`, or with `draw_style` one drawn from the seed
     for the whole episode, and then says which in its reasoning; else its default style, unsaid.
-    `kind`: what the reasoning says (`reasoning`)."""
+    `kind`: what the reasoning says (`reasoning`). Envs with state relations observe and predict
+    with `describe_state` (the state before and after the turn's actions), as the state grader wants."""
     if policy not in POLICIES:
         raise ValueError(f"unknown demonstration policy {policy!r}; choices: {', '.join(POLICIES)}")
     env.reset(seed=seed)
@@ -303,9 +312,12 @@ def play_demo(env, seed: int, policy: str, max_turns: int, style: str | None = N
         styles = teacher_styles(env)
         style = styles[int(np.random.default_rng([seed, 11]).integers(len(styles)))]
     for _ in range(max_turns):
-        actions, states, after, success = _plan(env, policy, rng, style)
+        actions, states, after, success, predicted = _plan(env, policy, rng, style)
         fields = reasoning(env.name, states, actions, rng, style, kind)
-        fields["prediction"] = _prediction(env.name, after, success)
+        if env.state_weights:  # graded fields: the true state before and after the turn, in the env's words
+            fields["observation"], fields["prediction"] = env.describe_state(), predicted
+        else:
+            fields["prediction"] = _prediction(env.name, after, success)
         response = format_response(env.prompt_format, ", ".join(actions), fields)
         _, reward, terminated, truncated, info = env.step(response)
         assert info["format_ok"], f"demonstration response does not parse: {response!r}"
