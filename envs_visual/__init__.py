@@ -1,11 +1,12 @@
-"""Environments for multi-turn agents: grid worlds, a 3D navigation world and text-only tasks.
+"""Environments for multi-turn agents: grid worlds, 3D navigation and tabletop manipulation worlds,
+and text-only tasks.
 
     env = envs_visual.make("sokoban", render_mode="vision")
     obs, info = env.reset(seed=7)
     obs, reward, terminated, truncated, info = env.step("<think>...</think><answer>Left</answer>")
 
 Modules are imported on first use so that `import envs_visual` stays light (MuJoCo loads only
-for navigation).
+for navigation and manipulation).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ ENVS = {
     "bandit": "envs_visual.bandit:BanditEnv",
     "countdown": "envs_visual.countdown:CountdownEnv",
     "navigation": "envs_visual.navigation:NavigationEnv",
+    "manipulation": "envs_visual.manipulation:ManipulationEnv",
 }
 
 
