@@ -431,6 +431,9 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
         raise ValueError("a cells-only build runs the cell-question stage, but sft.cell_questions=0; "
                          "set sft.cell_questions (e.g. 3000) or build all stages")
     t0 = time.perf_counter()
+    questions = bool(cfg.sft.perception_steps or cfg.sft.cell_questions)
+    # The code the demonstrations are written by, read before they are: the checkout may change during a build.
+    revision, demo_code = code_revision(), demonstration_code(cfg.env.name, questions)
     torch.manual_seed(0)
     model, processor = load_policy(Path(base_path), cfg.model.dtype)
     encoder = ChatEncoder(processor)
@@ -464,10 +467,9 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     engine.module.save_pretrained(tmp)
     processor.save_pretrained(tmp)
     settings = {s: cfg.to_dict()[s] for s in ("model", "env", "rollout", "sft")}
-    questions = bool(cfg.sft.perception_steps or cfg.sft.cell_questions)
     (tmp / STATE_FILE).write_text(json.dumps({
-        "config": cfg.name, "command": command, "code_revision": code_revision(),
-        "demonstration_code": demonstration_code(cfg.env.name, questions), "base": str(base_path),
+        "config": cfg.name, "command": command, "code_revision": revision, "demonstration_code": demo_code,
+        "base": str(base_path),
         "policy": policy, "stages": "cells" if cells_only else "all", "settings": settings, **stats}, indent=1))
     if out.exists():  # an earlier build at the same place is replaced whole
         import shutil
