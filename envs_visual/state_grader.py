@@ -473,3 +473,25 @@ def describe_grid(relations, names: dict[str, tuple[str, str]], absent: dict[str
         for _, v, h in mine:
             sentences.append(f"{subject} is {_GRID_PHRASES[(v, h)]}.")
     return " ".join(sentences)
+
+
+_EGOCENTRIC_PHRASES = {"left": "on my left", "right": "on my right", "ahead": "straight ahead"}
+
+
+def describe_relations(relations) -> str:
+    """Any env's true relations as plain sentences, without the env: grid triples as
+    `describe_grid` writes them ("The box is above and to the left of me."), egocentric ones as
+    "The red table is on my left, near." (for a judge that reads the true state as text)."""
+    relations = [tuple(r) for r in relations]
+    if not relations:
+        return "Nothing to describe is in view."
+    sentences = []
+    for kind in dict.fromkeys(r[0] for r in relations):
+        mine = [r for r in relations if r[0] == kind]
+        for _, a, b in mine:
+            if (a, b) in _GRID_PHRASES:
+                subject = f"The {kind}" if len(mine) == 1 else f"A {kind}"
+                sentences.append(f"{subject} is {_GRID_PHRASES[(a, b)]}.")
+            else:
+                sentences.append(f"The {kind} is {_EGOCENTRIC_PHRASES.get(a, a)}, {b}.")
+    return " ".join(sentences)

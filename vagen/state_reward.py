@@ -151,9 +151,9 @@ class StateRewarder:
                     if turn.info.get(score_key) is not None:
                         graded.append((turn, name, score_key, state_key, getattr(self.algo, coef)))
         if self.judge is not None and graded:
-            from envs_visual.state_grader import describe
+            from envs_visual.state_grader import describe_relations
 
-            judged = self.judge.score([(describe(turn.info[state_key]), turn.info["parsed"][name])
+            judged = self.judge.score([(describe_relations(turn.info[state_key]), turn.info["parsed"][name])
                                        for turn, name, _, state_key, _ in graded])
             for (turn, _, score_key, _, _), score in zip(graded, judged):
                 turn.info[score_key] = float(score)
