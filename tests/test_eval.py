@@ -75,3 +75,19 @@ def test_sampled_evaluation_is_seeded_and_leaves_the_callers_random_state(model_
     assert played_tokens[0] == played_tokens[1] != played_tokens[2]
     torch.manual_seed(123)
     assert torch.equal(torch.rand(3), after_call)  # the caller's stream goes on as if nothing had drawn
+
+
+def test_videos_and_results_show_the_grades_of_the_state_descriptions():
+    from vagen.eval import episode_record, summarize, think_with_scores
+
+    info = {"parsed": {"think": "a b c", "observation": "The box is above me.", "reasoning": "Go up.",
+                       "prediction": "The box is gone."}, "grounding_score": 0.5, "worldmodel_score": None}
+    assert think_with_scores(info) == ("observation [score 0.50]: The box is above me.  reasoning: Go up.  "
+                                       "prediction: The box is gone.")
+    assert think_with_scores({"parsed": {"think": "free text", "observation": "", "reasoning": "", "prediction": ""}}) == ""
+    turns = [{"reward": 1.0, "info": {**info, "grounding_score": score, "worldmodel_score": None}}
+             for score in (0.5, 1.0, None)]
+    record = episode_record(7, turns, success=False)
+    assert record["grounding_score"] == 0.75 and record["worldmodel_score"] is None
+    summary = summarize([record, {**record, "grounding_score": 0.25}])
+    assert summary["grounding_score"] == 0.5 and summary["worldmodel_score"] is None
