@@ -210,7 +210,7 @@ def test_adding_an_environment_runs_as_written(tmp_path, monkeypatch, model_cach
     files = {code.splitlines()[0].removeprefix("# file: "): code for _, code in blocks
              if code.startswith("# file: ")}
     programs = [code for lang, code in blocks if lang == "python" and not code.startswith("# file: ")]
-    assert set(files) == {"corridor.py", "corridor_visual.yaml"} and len(programs) == 3
+    assert set(files) == {"corridor.py", "corridor_visual.yaml"} and len(programs) == 4
 
     # The built-in tokenizer's text is read once per process from the registered environments: read it
     # now, so that the session's built-in models stay the ones every other test builds.
