@@ -162,12 +162,43 @@ def bench_navigation(seconds: float) -> list[Row]:
     return out
 
 
+def bench_manipulation(seconds: float) -> list[Row]:
+    """MuJoCo tabletop: one step is one primitive of the scripted expert (pick, place or push), its
+    simulated second or so of physics included; the resets needed when an episode ends are not counted."""
+    from envs_visual.base import format_response
+
+    rows = []
+    for render_mode, size in (("vision", 168), ("text", 168)):
+        env = envs_visual.make("manipulation", task="any", render_mode=render_mode, image_width=size,
+                               image_height=size, max_steps=10**9)
+        env.reset(seed=0)
+        count, excluded, sim_time, seed, start = 0, 0.0, 0.0, 0, time.perf_counter()
+        while time.perf_counter() - start < seconds or count < 10:
+            plan = env.solve() or ["pick(0, 0, 20)"]
+            _, _, terminated, truncated, info = env.step(format_response(env.prompt_format, plan[0]))
+            count += 1
+            sim_time += info["sim_time"]
+            if terminated or truncated:
+                t = time.perf_counter()
+                seed += 1
+                env.reset(seed=seed)
+                excluded += time.perf_counter() - t
+        elapsed = time.perf_counter() - start - excluded
+        config = f"vision {size}x{size}" if render_mode == "vision" else "text"
+        rows.append(Row("manipulation", config, f"step+render (1 primitive, {sim_time / count:.1f} s simulated)",
+                        count / elapsed))
+        rows.append(Row("manipulation", config, "reset", time_resets(env, seconds)))
+        env.close()
+    return rows
+
+
 # Append one (name, function) per environment; each function takes the seconds per measurement.
 BENCHMARKS: list[tuple[str, Callable[[float], list[Row]]]] = [
     ("sokoban", bench_sokoban),
     ("frozenlake", bench_frozenlake),
     ("text", bench_text_envs),
     ("navigation", bench_navigation),
+    ("manipulation", bench_manipulation),
 ]
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs_visual  # noqa: E402
 from envs_visual.base import PROMPT_FORMATS, format_response, parse_response  # noqa: E402
 
-ENVS = ("sokoban", "frozenlake", "bandit", "countdown", "navigation")
+ENVS = ("sokoban", "frozenlake", "bandit", "countdown", "navigation", "manipulation")
 PARAMS = {"sokoban": {"cell_size": 28}, "frozenlake": {"cell_size": 28, "is_slippery": False}}
 TAGS = ("think", "answer", "observation", "reasoning", "prediction")
 NOISE = ["", " ", "\n", "\t", ",", ", ", ";", "<", ">", "</", "<<answer>>", "<answer", "answer>", "<ANSWER>",
@@ -37,8 +37,10 @@ NOISE = ["", " ", "\n", "\t", ",", ", ", ";", "<", ">", "</", "<<answer>>", "<an
 
 
 def actions_of(env) -> list[str]:
-    names = getattr(env, "action_names", None) or []
-    return list(names) or ["Up", "Down", "Left", "Right"]
+    names = list(getattr(env, "action_names", None) or [])
+    if not names and hasattr(env, "solve"):  # actions with arguments (manipulation): the solver's own
+        names = env.solve()
+    return names or ["Up", "Down", "Left", "Right"]
 
 
 def well_formed(rng: random.Random, env, prompt_format: str) -> str:

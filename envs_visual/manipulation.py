@@ -277,6 +277,11 @@ def _mm(value: float) -> str:
     return f"{round(float(value), 1):g}"
 
 
+def _point(values) -> str:
+    """A position for the observation text: whole millimetres."""
+    return "(" + ", ".join(str(round(float(v)) + 0) for v in values) + ")"
+
+
 def format_action(name: str, *values: float) -> str:
     """The canonical spelling of an action, e.g. `pick(50, -20.5, 20)`."""
     return f"{name}({', '.join(_mm(v) for v in values)})"
@@ -614,13 +619,10 @@ class ManipulationEnv(TextActionEnv):
     def _describe(self) -> str:
         """The gripper, the objects and the goals in millimetres."""
         state = self.state()
-        x, y, z = state["gripper"]
-        holding = f"holding the {state['holding']}" if state["holding"] else "holding nothing"
-        lines = [f"Gripper at ({_mm(x)}, {_mm(y)}, {_mm(z)}), {holding}.", "Objects (centre x, y, z in mm):"]
-        for o in state["objects"]:
-            lines.append(f"- {o['name']}: ({', '.join(_mm(v) for v in o['position'])})")
-        for gx, gy, gz in state["goals"]:
-            lines.append(f"Goal: ({_mm(gx)}, {_mm(gy)}, {_mm(gz)})")
+        holding = f"holding the {state['holding']}" if state["holding"] else "empty"
+        lines = [f"Gripper {_point(state['gripper'])}, {holding}. Centres in mm:"]
+        lines += [f"{o['name']} {_point(o['position'])}" for o in state["objects"]]
+        lines += [f"goal {_point(g)}" for g in state["goals"]]
         return "\n".join(lines)
 
     def _initial_prompt(self) -> str:
@@ -639,8 +641,7 @@ class ManipulationEnv(TextActionEnv):
         return parse_actions(answer, self.max_actions_per_turn)
 
     def _actions_prompt(self) -> str:
-        return (f"You may take up to {self.max_actions_per_turn} actions per turn, separated by ','; each runs "
-                "to its end before the next starts.")
+        return f"You may take up to {self.max_actions_per_turn} actions per turn, separated by ','."
 
     def _example_fields(self) -> dict[str, str]:
         return {
@@ -651,23 +652,19 @@ class ManipulationEnv(TextActionEnv):
         }
 
     def _task_prompt(self) -> str:
-        view = ("Each observation is a picture of the table from a camera in front of it, with the positions "
-                "listed." if self.render_mode == "vision" else "Each observation lists the positions.")
+        view = "a picture of the table from the front and " if self.render_mode == "vision" else ""
         return "\n".join([
-            "You control a robot gripper above a table with coloured cubes (40 mm) and sometimes a block "
-            "(60 mm, too wide to pick up). Goals are white discs on the table. Tasks look like 'Put the red "
-            "cube on the goal.', 'Stack the red cube on the blue cube.', 'Line up the red, green and blue "
-            "cubes in a straight row.' or 'Push the green block onto the goal.'. " + view,
-            "Positions are millimetres: x to the right, y away from the camera, z up from the table top; "
-            "a cube resting on the table has its centre at z = 20.",
-            "Actions (numbers in mm, x and y from -200 to 200, z from 0 to 250):",
-            "- pick(x, y, z): open, lower the fingers around the point (x, y, z), close and lift.",
-            "- place(x, y, z): carry the held object so its centre goes to (x, y, z), lower it until it "
-            "lands, release.",
-            "- push(x1, y1, z1, x2, y2, z2): close the fingers, lower them at (x1, y1, z1) beside an object, "
-            "sweep straight to (x2, y2, z2). The closed fingers are 20 mm across x and 40 mm across y.",
-            f"Reward: {self.stage_reward:g} for each stage on the way and {self.success_reward:g} on success. "
-            f"The episode ends after {self.max_steps} actions.",
+            "You control a robot gripper above a table with coloured cubes (40 mm) and maybe a block (60 mm, "
+            "too wide to pick up). Goals are white discs. Tasks: put a cube on the goal, stack one cube on "
+            f"another, line up three cubes in a straight row, push the block onto the goal. You see {view}the "
+            "positions in mm: x to the right, y away from you, z up; a cube on the table has z = 20.",
+            "Actions (mm; x, y from -200 to 200, z from 0 to 250):",
+            "- pick(x, y, z): lower the open fingers to (x, y, z), close, lift.",
+            "- place(x, y, z): move the held object's centre to (x, y, z), lower until it lands, release.",
+            "- push(x1, y1, z1, x2, y2, z2): lower the closed fingers (20 mm across x, 40 mm across y) at "
+            "(x1, y1, z1) beside an object, sweep straight to (x2, y2, z2).",
+            f"Reward: {self.stage_reward:g} per stage reached, {self.success_reward:g} on success; at most "
+            f"{self.max_steps} actions.",
         ])
 
     # -- plain-data views -----------------------------------------------------------------------

@@ -109,6 +109,10 @@ class TabletopScene:
         self.option = mujoco.MjvOption()
         self.option.geomgroup[HIDDEN_GROUP] = 0
         self.sim_time = 0.0  # simulated seconds since the last load
+        # with `record_every` (seconds), the controllers append a frame that often to `recorded` (for
+        # videos of the motion itself; rendering reads the state and never changes the physics)
+        self.record_every: float | None = None
+        self.recorded: list[np.ndarray] = []
         self._renderer: mujoco.Renderer | None = None
 
     def __deepcopy__(self, memo):
@@ -216,8 +220,17 @@ class TabletopScene:
 
     # -- controllers ----------------------------------------------------------------------------
     def _step(self, n: int = 1) -> None:
-        mujoco.mj_step(self.model, self.data, nstep=n)
-        self.sim_time += n * self.model.opt.timestep
+        dt = self.model.opt.timestep
+        if self.record_every is None:
+            mujoco.mj_step(self.model, self.data, nstep=n)
+            self.sim_time += n * dt
+            return
+        every = max(1, round(self.record_every / dt))
+        for _ in range(n):
+            mujoco.mj_step(self.model, self.data)
+            self.sim_time += dt
+            if round(self.sim_time / dt) % every == 0:
+                self.recorded.append(self.render())
 
     def settle(self, seconds: float = SETTLE_TIME) -> None:
         self._step(max(1, round(seconds / self.model.opt.timestep)))

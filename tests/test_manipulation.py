@@ -260,17 +260,17 @@ def test_frames_show_the_table_the_objects_and_their_motion():
     obs, *_ = act(env, *env.solve())
     after = np.asarray(obs.images[0]).astype(float)
     assert np.abs(after - frame).sum(-1).astype(bool).sum() > 100  # the cube moved on the picture
-    assert "Goal: (" in obs.text and f"- {name}: (" in obs.text and "released the" in obs.text
+    assert "\ngoal (" in obs.text and f"\n{name} (" in obs.text and "released the" in obs.text
     env.close()
 
 
 def test_observation_text_system_prompt_and_info_keys():
     env = envs_visual.make("manipulation", task="push", render_mode="text", prompt_format="grounding")
     obs, info = env.reset(seed=0)
-    assert obs.images == [] and "Objects (centre x, y, z in mm):" in obs.text
+    assert obs.images == [] and "Centres in mm:" in obs.text
     assert obs.text.startswith(f"Push the {env.state()['roles']['object']} onto the goal.")
     prompt = env.system_prompt()
-    for word in ("pick(x, y, z)", "place(x, y, z)", "push(x1, y1, z1, x2, y2, z2)", "millimetres", "up to 2 actions"):
+    for word in ("pick(x, y, z)", "place(x, y, z)", "push(x1, y1, z1, x2, y2, z2)", "positions in mm", "up to 2 actions"):
         assert word in prompt, word
     assert parse_response(prompt.split("Example: ")[1], "grounding").ok
     _, _, _, _, info = env.step("<think><observation>o</observation><reasoning>r</reasoning></think>"
@@ -364,3 +364,25 @@ def test_ten_thousand_fuzzed_action_strings_never_raise():
         if env.done:
             env.reset(seed=i)
     assert 1_500 <= parsed <= 8_000 and executed >= 50, (parsed, executed)
+
+
+# -- training and evaluation ------------------------------------------------------------------------
+def test_evaluation_of_the_tiny_model_has_the_solver_row_and_an_episode_video(tiny_vl, tmp_path):
+    """The two-iteration training run of `manipulation_visual` is tests/test_train.py's (every config)."""
+    import json
+
+    from PIL import Image
+
+    from vagen.eval import main
+
+    path, _, _ = tiny_vl
+    out = tmp_path / "eval"
+    assert main(["--config", "manipulation_visual", "--checkpoint", str(path), "--episodes", "1", "--videos", "1",
+                 "--out", str(out), "rollout.max_new_tokens=16", "rollout.max_turns=2"]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["model"]["episodes"] == 1
+    assert result["reference"]["solver"]["success"] == 1.0  # the expert places the cube in one turn
+    assert "random" not in result["reference"]  # actions carry numbers: no list to draw from
+    gif = next((out / "videos").glob("manipulation_seed*.gif"))
+    with Image.open(gif) as frames:
+        assert frames.n_frames >= 2
