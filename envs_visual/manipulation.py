@@ -274,7 +274,9 @@ def _round(value: float) -> float:
 
 
 def _mm(value: float) -> str:
-    return f"{round(float(value), 1):g}"
+    """Millimetres to 0.1 mm without exponents or a trailing ".0": 20, -4.5, 1234567."""
+    text = f"{float(value):.1f}".removesuffix(".0")
+    return "0" if text == "-0" else text
 
 
 def _point(values) -> str:
