@@ -324,3 +324,14 @@ def test_grounding_demonstrations_describe_the_state_before_and_after_each_turn(
 
 def demo_texts(env, policy):
     return [text for seed in range(8) for text in play_demo(env, seed, policy, max_turns=3).responses]
+
+
+@pytest.mark.parametrize("prompt_format", ["free_think", "grounding_worldmodeling"])
+def test_manipulation_demonstrations_parse_and_the_solvers_succeed(prompt_format):
+    env = envs_visual.make("manipulation", task="stack", prompt_format=prompt_format, render_mode="text")
+    for seed in range(3):
+        solver = play_demo(env, seed, "solver", max_turns=3)  # play_demo checks that every response parses
+        assert solver.success, seed
+        teacher = play_demo(env, seed, "teacher", max_turns=3)
+        assert len(teacher.responses) >= 1
+    assert "I hold the" in solver.responses[-1] or "My gripper is empty." in solver.responses[0]

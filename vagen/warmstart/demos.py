@@ -215,7 +215,21 @@ def navigation_reasoning(state: dict, actions: list[str], rng: np.random.Generat
     return {"reasoning": f"The target is {state['distance']:.1f} m away. {_decision(actions, 'take', rng)}"}
 
 
-REASONING = {"frozenlake": frozenlake_reasoning, "sokoban": sokoban_reasoning, "navigation": navigation_reasoning}
+def _gripper(holding: str | None, future: bool = False) -> str:
+    if holding:
+        return f"I {'will hold' if future else 'hold'} the {holding}."
+    return "My gripper will be empty." if future else "My gripper is empty."
+
+
+def manipulation_reasoning(state: dict, actions: list[str], rng: np.random.Generator,
+                           style: str | None = None) -> dict[str, str]:
+    """The task, what the gripper holds, and the first primitive (with its millimetres)."""
+    now = _gripper(state["holding"])
+    return {"observation": now, "reasoning": f"{state['instruction']} {now} {_decision(actions, 'do', rng)}"}
+
+
+REASONING = {"frozenlake": frozenlake_reasoning, "sokoban": sokoban_reasoning, "navigation": navigation_reasoning,
+             "manipulation": manipulation_reasoning}
 PATH_REASONING = {"frozenlake": frozenlake_path, "sokoban": sokoban_path}
 PLAN_REASONING = {"sokoban": functools.partial(sokoban_path, aims=True)}
 REASONING_KINDS = ("near", "path", "plan")
@@ -241,6 +255,8 @@ def reasoning(env_name: str, states: list[dict], actions: list[str], rng: np.ran
 
 def _prediction(env_name: str, after: dict, success: bool) -> str:
     """The prediction of an env without state relations (`state_weights`)."""
+    if env_name == "manipulation":
+        return "The task will be done." if success else _gripper(after["holding"], future=True)
     if success:
         return "I am on the goal." if env_name == "frozenlake" else "The box is on the target."
     r, c = after["player"]
