@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -450,6 +451,7 @@ def plural(noun: str) -> str:
 
 
 # -- descriptions ---------------------------------------------------------------------------------
+_COUNT_WORDS = {n: word for word, n in _NUMBER_WORDS.items() if n >= 2 and word not in ("both", "pair")}
 _GRID_PHRASES = {
     ("above", "left"): "above and to the left of me", ("above", "right"): "above and to the right of me",
     ("below", "left"): "below and to the left of me", ("below", "right"): "below and to the right of me",
@@ -470,8 +472,14 @@ def describe_grid(relations, names: dict[str, tuple[str, str]], absent: dict[str
         if not mine and absent and kind in absent:
             sentences.append(absent[kind])
         subject = the if len(mine) == 1 else a
-        for _, v, h in mine:
-            sentences.append(f"{subject} is {_GRID_PHRASES[(v, h)]}.")
+        # Objects in the same relation share one counted sentence ("Three holes are directly below me, ...").
+        same = Counter((v, h) for _, v, h in mine)
+        for (v, h), n in same.items():
+            if n == 1:
+                sentences.append(f"{subject} is {_GRID_PHRASES[(v, h)]}.")
+            else:
+                count = _COUNT_WORDS.get(n, str(n)).capitalize()
+                sentences.append(f"{count} {plural(a.split(' ', 1)[-1])} are {_GRID_PHRASES[(v, h)]}.")
     return " ".join(sentences)
 
 

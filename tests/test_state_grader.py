@@ -13,6 +13,7 @@ from envs_visual.state_grader import (
     MAX_CHARS,
     UNKNOWN,
     Relation,
+    describe_grid,
     egocentric_vocabulary,
     grade,
     grid_vocabulary,
@@ -344,3 +345,13 @@ def test_unparsed_response_and_ungraded_env_give_none():
     _, _, _, _, info = bandit.step(response(bandit, bandit.action_names[0], "A lever.", "A reward."))
     assert info["grounding_score"] is None and info["worldmodel_score"] is None
     assert info["state_before"] == [] and info["state_after"] == []
+
+
+def test_objects_in_the_same_relation_share_one_counted_sentence():
+    relations = [("goal", "below", "right"), ("hole", "below", "same"), ("hole", "same", "left"),
+                 ("hole", "below", "same"), ("hole", "below", "same")]
+    names = {"goal": ("The goal", "A goal"), "hole": ("The hole", "A hole")}
+    text = describe_grid(relations, names)
+    assert text == ("The goal is below and to the right of me. Three holes are directly below me, in the same "
+                    "column. A hole is on my left, in the same row.")
+    assert grade(text, relations, FROZENLAKE_WEIGHTS, FROZENLAKE_VOCAB) == 1.0
