@@ -198,9 +198,9 @@ def test_builtin_layers_builds_a_deeper_model_under_its_own_cache_key(tmp_path):
     from vagen.config import ConfigError, load_config
     from vagen.models import base_checkpoint
 
-    two = base_checkpoint(load_config("frozenlake_visual", [f"model.builtin_cache={tmp_path}"]).model)
-    four = base_checkpoint(load_config("frozenlake_visual", [f"model.builtin_cache={tmp_path}",
-                                                             "model.builtin_layers=4"]).model)
+    builtin = ["model.path=builtin:tiny-vl", f"model.builtin_cache={tmp_path}"]
+    two = base_checkpoint(load_config("frozenlake_visual", builtin).model)
+    four = base_checkpoint(load_config("frozenlake_visual", [*builtin, "model.builtin_layers=4"]).model)
     assert two != four
     assert json.loads((two / "config.json").read_text())["text_config"]["num_hidden_layers"] == 2
     assert json.loads((four / "config.json").read_text())["text_config"]["num_hidden_layers"] == 4
