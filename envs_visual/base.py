@@ -343,6 +343,13 @@ class TextActionEnv:
     def _failed(self) -> bool:
         return False
 
+    def random_actions(self, rng: np.random.Generator, count: int) -> list[str] | None:
+        """`count` actions drawn uniformly from the valid ones (the evaluation's random policy); None for an
+        env whose actions cannot be drawn that way. Environments whose actions carry numbers override it."""
+        if not self.action_names:
+            return None
+        return [str(a) for a in rng.choice(self.action_names, size=count)]
+
     def _actions_prompt(self) -> str:
         """The system-prompt line about several actions per turn ("" to leave it out)."""
         return f"You may take up to {self.max_actions_per_turn} actions per turn, separated by ','."

@@ -708,6 +708,16 @@ class ManipulationEnv(TextActionEnv):
         if self.level is None:
             raise RuntimeError(f"{self.name}: call reset(seed=...) before {what}()")
 
+    def random_actions(self, rng: np.random.Generator, count: int) -> list[str]:
+        """`count` primitives, each kind equally likely, with every coordinate uniform over the workspace."""
+        actions = []
+        for _ in range(count):
+            name = list(ARITY)[int(rng.integers(len(ARITY)))]
+            points = [(rng.uniform(-REACH_XY, REACH_XY), rng.uniform(-REACH_XY, REACH_XY), rng.uniform(*REACH_Z))
+                      for _ in range(ARITY[name] // 3)]
+            actions.append(format_action(name, *(round(float(v)) for point in points for v in point)))
+        return actions
+
     def solve(self) -> list[str]:
         """The scripted expert's actions from the current state (`plan`); [] once solved or done."""
         self._require_reset("solve")

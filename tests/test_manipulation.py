@@ -382,7 +382,21 @@ def test_evaluation_of_the_tiny_model_has_the_solver_row_and_an_episode_video(ti
     result = json.loads((out / "results.json").read_text())
     assert result["model"]["episodes"] == 1
     assert result["reference"]["solver"]["success"] == 1.0  # the expert places the cube in one turn
-    assert "random" not in result["reference"]  # actions carry numbers: no list to draw from
+    random_row = result["reference"]["random"]  # primitives with coordinates uniform over the workspace
+    assert random_row["episodes"] == 1 and random_row["action_valid"] == 1.0
     gif = next((out / "videos").glob("manipulation_seed*.gif"))
     with Image.open(gif) as frames:
         assert frames.n_frames >= 2
+
+
+def test_random_primitives_are_valid_and_drawn_from_the_seed():
+    env = envs_visual.make("manipulation", task="place", render_mode="text")
+    env.reset(seed=0)
+    first = env.random_actions(np.random.default_rng(5), 40)
+    assert first == env.random_actions(np.random.default_rng(5), 40)
+    assert {a.split("(")[0] for a in first} == {"pick", "place", "push"}
+    actions, valid = env._parse_actions(", ".join(first[:2]))
+    assert valid and actions == first[:2]  # canonical spellings the env's own parser reads back
+    for action in first:
+        values = [float(v) for v in action[action.index("(") + 1:-1].split(",")]
+        assert all(-200 <= v <= 200 for v in values[0::3] + values[1::3]) and all(0 <= v <= 250 for v in values[2::3])

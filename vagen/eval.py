@@ -73,13 +73,13 @@ def _mean_present(values: list) -> float | None:
 
 def play_reference(cfg, seed: int, policy: str) -> dict | None:
     """One episode of a scripted policy on `seed` under the model's turn budget: `random` takes
-    `max_actions_per_turn` valid actions uniformly at random, `solver` follows the env's optimal
+    `max_actions_per_turn` valid actions drawn by the env's `random_actions`, `solver` follows the env's optimal
     plan, re-planned every turn. None where the env has no such policy."""
     from envs_visual.base import format_response
     from vagen.rollout import make_env
 
     env = make_env(cfg.env)
-    if policy == "random" and not env.action_names:
+    if policy == "random" and env.random_actions(np.random.default_rng(0), 1) is None:
         return None
     if policy == "solver" and not hasattr(env, "solve"):
         return None
@@ -88,7 +88,7 @@ def play_reference(cfg, seed: int, policy: str) -> dict | None:
     turns, success = [], False
     for _ in range(cfg.rollout.max_turns):
         if policy == "random":
-            actions = list(rng.choice(env.action_names, size=env.max_actions_per_turn))
+            actions = env.random_actions(rng, env.max_actions_per_turn)
         else:
             actions = (env.solve() or [])[: env.max_actions_per_turn]
             if not actions:
