@@ -65,16 +65,12 @@ from PIL import Image
 
 from envs_visual.base import TextActionEnv, check_choice
 from envs_visual.manipulation_scene import BLOCK_SLOT, CUBE_SLOTS, TabletopScene
+from envs_visual.navigation_scene import COLOURS as NAVIGATION_COLOURS
 
 TASKS = ("place", "stack", "align", "push")
+# Six colours of the navigation objects' palette (chosen to be far apart), one drawn per object.
 COLOURS: dict[str, tuple[float, float, float]] = {
-    "red": (0.85, 0.10, 0.10),
-    "green": (0.10, 0.65, 0.15),
-    "blue": (0.12, 0.25, 0.90),
-    "yellow": (0.95, 0.85, 0.10),
-    "purple": (0.55, 0.15, 0.75),
-    "orange": (1.00, 0.50, 0.05),
-}
+    name: NAVIGATION_COLOURS[name] for name in ("red", "green", "blue", "yellow", "purple", "orange")}
 GOAL_RGBA = (0.97, 0.97, 0.97, 1.0)
 
 CUBE, BLOCK = 40.0, 60.0  # object sides, mm

@@ -11,29 +11,19 @@ move `target` through waypoints at fixed speeds, one physics step at a time, so 
 by the fingers' contact forces and friction, a push shoves objects by contact, and whatever the
 hand runs into stops it. Units here are metres and seconds; the environment speaks millimetres.
 
-`MUJOCO_GL` defaults to `egl` (software rendering through Mesa works on CPU-only machines);
-`osmesa` is the alternative. It must be set before `mujoco` is first imported in the process.
+Rendering (the `MUJOCO_GL` backend, the renderer's lifetime) is `envs_visual.mujoco_render`'s.
 """
 
 from __future__ import annotations
 
-import atexit
 import copy
-import os
-import sys
-import weakref
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
 import numpy as np
 
 from envs_visual.assets import asset_path
-
-# mujoco picks its OpenGL backend when first imported; remember whether that already happened
-_IMPORTED_WITH_GL = os.environ.get("MUJOCO_GL") if "mujoco" in sys.modules else "unchanged"
-os.environ.setdefault("MUJOCO_GL", "egl")
-
-import mujoco  # noqa: E402  (MUJOCO_GL must be set before the first import)
+from envs_visual.mujoco_render import OffscreenScene, mujoco
 
 CUBE_SLOTS = ("cube_0", "cube_1", "cube_2", "cube_3")  # 40 mm cubes
 BLOCK_SLOT = "block"  # a 60 mm block, wider than the gripper opens
@@ -63,20 +53,10 @@ class Outcome:
     grasped: str | None = None  # the slot between the fingers after a pick
 
 
-class _SceneSet(weakref.WeakSet):
-    atexit_registered = False
-
-
-_open_scenes = _SceneSet()
-
-
-def _close_open_scenes() -> None:
-    for scene in list(_open_scenes):
-        scene.close()
-
-
-class TabletopScene:
+class TabletopScene(OffscreenScene):
     """The compiled tabletop, its physics state and one offscreen renderer."""
+
+    env_name = "manipulation"
 
     def __init__(self, width: int = 168, height: int = 168):
         self.width, self.height = int(width), int(height)
@@ -309,34 +289,6 @@ class TabletopScene:
         return Outcome(True)
 
     # -- rendering ------------------------------------------------------------------------------
-    @property
-    def renderer(self) -> mujoco.Renderer:
-        if self._renderer is None:
-            try:
-                self._renderer = mujoco.Renderer(self.model, height=self.height, width=self.width)
-            except Exception as error:
-                early = ("" if _IMPORTED_WITH_GL == "unchanged" else
-                         f"; mujoco was imported before envs_visual.manipulation_scene with "
-                         f"MUJOCO_GL={_IMPORTED_WITH_GL!r}")
-                raise RuntimeError(
-                    f"could not open an offscreen OpenGL context (MUJOCO_GL={os.environ.get('MUJOCO_GL')!r}"
-                    f"{early}): {error}. Set MUJOCO_GL=egl (or osmesa) in the environment before Python starts, "
-                    "or import envs_visual before anything imports mujoco; EGL needs the Debian packages "
-                    "libegl1 libegl-mesa0 libgl1-mesa-dri (osmesa: libosmesa6). Check with: MUJOCO_GL=egl python "
-                    "-c \"import envs_visual; e = envs_visual.make('manipulation'); "
-                    "print(e.reset(seed=0)[0].images[0].size)\""
-                ) from error
-            _open_scenes.add(self)
-            if not _open_scenes.atexit_registered:
-                # registered after the GL backend's own exit hook, so it runs first: renderers are freed
-                # while their GL library still works
-                atexit.register(_close_open_scenes)
-                _open_scenes.atexit_registered = True
-            flags = self._renderer.scene.flags
-            for flag in (mujoco.mjtRndFlag.mjRND_SHADOW, mujoco.mjtRndFlag.mjRND_REFLECTION,
-                         mujoco.mjtRndFlag.mjRND_SKYBOX):
-                flags[flag] = False
-        return self._renderer
 
     def render(self) -> np.ndarray:
         """RGB frame [height, width, 3] uint8 from the fixed front camera."""
@@ -344,8 +296,3 @@ class TabletopScene:
         renderer.update_scene(self.data, camera=self.camera, scene_option=self.option)
         return renderer.render()
 
-    def close(self) -> None:
-        if self._renderer is not None:
-            self._renderer.close()
-            self._renderer = None
-        _open_scenes.discard(self)

@@ -7,18 +7,13 @@ level only rewrites arrays of that model (wall sizes, object slot poses and colo
 are shown); a new camera pose only sets the agent's mocap pose and runs `mj_kinematics` + `mj_camlight`. Nothing
 is recompiled and no GL context is created after the first frame.
 
-`MUJOCO_GL` defaults to `egl` (software rendering through Mesa works on CPU-only machines);
-`osmesa` is the alternative. It must be set before `mujoco` is first imported in the process.
+Rendering (the `MUJOCO_GL` backend, the renderer's lifetime) is `envs_visual.mujoco_render`'s.
 """
 
 from __future__ import annotations
 
-import atexit
 import copy
 import math
-import os
-import sys
-import weakref
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from functools import cache
@@ -26,12 +21,7 @@ from functools import cache
 import numpy as np
 
 from envs_visual.assets import asset_path
-
-# mujoco picks its OpenGL backend when first imported; remember whether that already happened
-_IMPORTED_WITH_GL = os.environ.get("MUJOCO_GL") if "mujoco" in sys.modules else "unchanged"
-os.environ.setdefault("MUJOCO_GL", "egl")
-
-import mujoco  # noqa: E402  (MUJOCO_GL must be set before the first import)
+from envs_visual.mujoco_render import OffscreenScene, mujoco
 
 # Object kinds, in the order their template files are read; the name is the shape word used in
 # instructions ("the red table").
@@ -170,20 +160,10 @@ def scene_xml(num_walls: int, width: int, height: int, fov: float) -> str:
     return ET.tostring(root, encoding="unicode")
 
 
-class _SceneSet(weakref.WeakSet):
-    atexit_registered = False
-
-
-_open_scenes = _SceneSet()
-
-
-def _close_open_scenes() -> None:
-    for scene in list(_open_scenes):
-        scene.close()
-
-
-class NavigationScene:
+class NavigationScene(OffscreenScene):
     """One compiled scene model and one offscreen renderer, reused for every level and frame."""
+
+    env_name = "navigation"
 
     def __init__(self, num_walls: int, width: int = 128, height: int = 128, fov: float = 90.0,
                  eye_height: float = 1.5):
@@ -214,33 +194,6 @@ class NavigationScene:
         self.option.geomgroup[HIDDEN_GROUP] = 0
         self._renderer: mujoco.Renderer | None = None
 
-    @property
-    def renderer(self) -> mujoco.Renderer:
-        if self._renderer is None:
-            try:
-                self._renderer = mujoco.Renderer(self.model, height=self.height, width=self.width)
-            except Exception as error:
-                early = ("" if _IMPORTED_WITH_GL == "unchanged" else
-                         f"; mujoco was imported before envs_visual.navigation with MUJOCO_GL={_IMPORTED_WITH_GL!r}")
-                raise RuntimeError(
-                    f"could not open an offscreen OpenGL context (MUJOCO_GL={os.environ.get('MUJOCO_GL')!r}"
-                    f"{early}): {error}. Set MUJOCO_GL=egl (or osmesa) in the environment before Python starts, or "
-                    "import envs_visual.navigation before anything imports mujoco; EGL needs the Debian "
-                    "packages libegl1 libegl-mesa0 libgl1-mesa-dri (osmesa: libosmesa6). Check with: "
-                    "MUJOCO_GL=egl python -c \"import envs_visual; e = envs_visual.make('navigation'); "
-                    "print(e.reset(seed=0)[0].images[0].size)\""
-                ) from error
-            _open_scenes.add(self)
-            if not _open_scenes.atexit_registered:
-                # registered after the GL backend's own exit hook, so it runs first: renderers are freed
-                # while their GL library still works (osmesa otherwise complains at interpreter exit)
-                atexit.register(_close_open_scenes)
-                _open_scenes.atexit_registered = True
-            flags = self._renderer.scene.flags
-            for flag in (mujoco.mjtRndFlag.mjRND_SHADOW, mujoco.mjtRndFlag.mjRND_REFLECTION,
-                         mujoco.mjtRndFlag.mjRND_SKYBOX):
-                flags[flag] = False
-        return self._renderer
 
     def load(self, room_width: float, room_depth: float, walls, objects) -> None:
         """Show one level. `walls`: (xmin, ymin, xmax, ymax) rectangles; `objects`: dicts with kind,
@@ -291,8 +244,3 @@ class NavigationScene:
         renderer.update_scene(self.data, camera=self.camera_id, scene_option=self.option)
         return renderer.render()
 
-    def close(self) -> None:
-        if self._renderer is not None:
-            self._renderer.close()
-            self._renderer = None
-        _open_scenes.discard(self)
