@@ -3,13 +3,13 @@ trajectories of `ppo_reference`, split over the ranks in two ways (equal and une
 reward-std filter over both ranks; rank 0 saves the actor's parameters after each update and what each
 rank kept."""
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from child_env import worker_args  # noqa: E402
 from ppo_reference import ADVANTAGES, ANSWERS, overrides, sgd_engine  # noqa: E402
 from update_fixtures import answer_samples  # noqa: E402
 
@@ -28,11 +28,7 @@ SHARES = {
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--local_rank", type=int, default=-1)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--cache", required=True)
-    args = parser.parse_args()
+    args = worker_args()
     dist = init_distributed()
     assert dist.world_size == 2, dist.world_size
     # Rank 1 builds the built-in model (an empty cache) while rank 0 waits: what it writes must be whole,

@@ -6,11 +6,11 @@ The ranks play unequal episodes: rank 0 three turns of up to 8 new tokens, rank 
 in evaluation, 2 and 1 episodes. Each rank saves, per rollout call, how many forward passes its policy
 ran and the token ids of its episodes."""
 
-import argparse
 import os
 from pathlib import Path
 
 import torch
+from child_env import worker_args
 
 import vagen.rollout as rollout_module
 
@@ -45,11 +45,7 @@ rollout_module.rollout = counting_rollout  # vagen.train and vagen.eval import i
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--local_rank", type=int, default=-1)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--cache", required=True)
-    args = parser.parse_args()
+    args = worker_args()
     from vagen.train import main as train
 
     rank = int(os.environ["RANK"])
