@@ -29,8 +29,7 @@ def summarize(records: list[dict]) -> dict:
     n = len(records)
 
     def mean(key):
-        values = [r[key] for r in records if r.get(key) is not None]
-        return float(np.mean(values)) if values else None
+        return _mean_present([r.get(key) for r in records])
 
     successes = sum(bool(r["success"]) for r in records)
     low, high = wilson_interval(successes, n)

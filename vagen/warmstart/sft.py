@@ -566,13 +566,10 @@ def main(argv=None) -> int:
 
 
 def zero_stage(cfg) -> int:
-    """The ZeRO stage of the DeepSpeed config `train.deepspeed_config` names."""
-    from vagen.config import CONFIGS_DIR
+    """The ZeRO stage of the DeepSpeed config `train.deepspeed_config` names (read as the engine reads it)."""
+    from vagen.train import deepspeed_config
 
-    path = CONFIGS_DIR / cfg.train.deepspeed_config
-    if not path.exists():
-        return 0  # make_engine names the missing file and the choices
-    return int(json.loads(path.read_text()).get("zero_optimization", {}).get("stage", 0))
+    return int(deepspeed_config(cfg, cfg.sft.lr, 1, False).get("zero_optimization", {}).get("stage", 0))
 
 
 def report(cfg, checkpoint: Path, n: int) -> dict:
