@@ -36,12 +36,15 @@ class RepetitionTracker:
     def __init__(self, window: int, max_states: int):
         self.window, self.max_states = int(window), int(max_states)
         self.recent: deque[tuple[str, str]] = deque()
-        self.counts: Counter[tuple[str, str]] = Counter()
         self.states_of: dict[str, Counter[str]] = {}
 
     def add(self, text: str, state) -> bool:
         """Record `text` written for `state`; True when it is now a repeat (scores 0)."""
-        key, state_key = normalized(text), json.dumps(state, sort_keys=True)
+        key = normalized(text)
+        self._record(key, json.dumps(state, sort_keys=True))
+        return len(self.states_of[key]) > self.max_states
+
+    def _record(self, key: str, state_key: str) -> None:
         self.recent.append((key, state_key))
         self.states_of.setdefault(key, Counter())[state_key] += 1
         if len(self.recent) > self.window:
@@ -52,7 +55,6 @@ class RepetitionTracker:
                 del states[old_state]
             if not states:
                 del self.states_of[old_key]
-        return len(self.states_of[key]) > self.max_states
 
     def state_dict(self) -> dict:
         return {"window": self.window, "max_states": self.max_states, "recent": [list(x) for x in self.recent]}
@@ -60,8 +62,7 @@ class RepetitionTracker:
     def load_state_dict(self, state: dict) -> None:
         self.__init__(state["window"], state["max_states"])
         for key, state_key in state["recent"]:
-            self.recent.append((key, state_key))
-            self.states_of.setdefault(key, Counter())[state_key] += 1
+            self._record(key, state_key)
 
 
 class StateJudge:
