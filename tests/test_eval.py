@@ -60,6 +60,15 @@ def test_resolve_checkpoint_errors(tmp_path):
         resolve_checkpoint(str(tmp_path))
 
 
+def test_a_shipped_warm_start_is_evaluated_by_name():
+    from vagen.config import checkpoints_dir
+
+    assert resolve_checkpoint("assets:sokoban_visual") == checkpoints_dir() / "sokoban_visual"
+    with pytest.raises(FileNotFoundError, match="'assets:sokoban_visua' is not a shipped warm start.*did you mean "
+                                                "'assets:sokoban_visual'"):
+        resolve_checkpoint("assets:sokoban_visua")
+
+
 def test_sampled_evaluation_is_seeded_and_leaves_the_callers_random_state(model_cache, tmp_path, played_tokens):
     overrides = ["rollout.max_turns=2", "rollout.max_new_tokens=16", "eval.do_sample=true"]
     cfg = load_config("frozenlake_text", overrides)

@@ -189,6 +189,11 @@ class SFTConfig:
     cell_moves: list = _f([1, 2], "how many moves from the player the cell questions look (drawn per question)")
     cell_steps: int = _f(2000, "optimizer steps of the cell-question stage (new optimizer, a cosine from sft.lr)")
     cell_batch_size: int = _f(32, "demonstrations and questions per optimizer step of the cell-question stage")
+    on_policy_levels: int = _f(0, "a last stage on the model's own episodes: it plays this many training levels "
+                                  "(sampled at rollout.temperature), each of its turns after the first is answered "
+                                  "by the teacher from the state the model reached, after the model's own earlier "
+                                  "turns, and those answers are learned mixed with the demonstrations; 0 = no such stage")
+    on_policy_steps: int = _f(400, "optimizer steps of the on-policy stage (new optimizer, a cosine from sft.lr)")
 
 
 @dataclass
@@ -350,6 +355,9 @@ def validate(cfg: Config) -> None:
     if cfg.sft.perception_steps and cfg.env.render_mode != "vision":
         raise ConfigError(f"sft.perception_steps={cfg.sft.perception_steps} asks questions about frames, but "
                           f"env.render_mode={cfg.env.render_mode}; set sft.perception_steps=0 or env.render_mode=vision")
+    if cfg.sft.on_policy_levels < 0 or cfg.sft.on_policy_steps < 1:
+        raise ConfigError(f"sft.on_policy_levels={cfg.sft.on_policy_levels} must be >= 0 and sft.on_policy_steps="
+                          f"{cfg.sft.on_policy_steps} >= 1")
     if cfg.sft.cell_questions < 0 or cfg.sft.cell_steps < 1 or cfg.sft.cell_batch_size < 1:
         raise ConfigError(f"sft.cell_questions={cfg.sft.cell_questions} must be >= 0, and sft.cell_steps="
                           f"{cfg.sft.cell_steps} and sft.cell_batch_size={cfg.sft.cell_batch_size} >= 1")

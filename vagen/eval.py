@@ -4,8 +4,10 @@
         [--episodes 128] [--videos 8] [--out DIR] [section.key=value ...]
     deepspeed --num_gpus 2 vagen/eval.py --config ... --checkpoint ...   (episodes split across ranks)
 
+    python -m vagen.eval --config sokoban_visual --checkpoint assets:sokoban_visual   (a shipped warm start)
+
 Writes `results.json` and a Markdown table `results.md` into the output directory (default:
-`<checkpoint>/eval`), and episode videos (mp4 + GIF) under `videos/`. Seeds are the evaluation seeds
+`<checkpoint>/eval`, for a shipped warm start `<train.run_dir>/eval/NAME`), and episode videos (mp4 + GIF) under `videos/`. Seeds are the evaluation seeds
 (>= 1e9), disjoint from every training seed. Decoding is greedy unless `eval.do_sample=true`.
 """
 
@@ -235,7 +237,15 @@ def write_video(cfg, episode, out_dir: Path) -> list[Path]:
 
 def resolve_checkpoint(path: str) -> Path:
     """The actor directory of a checkpoint: accepts `.../step_N`, `.../step_N/actor`, a run directory
-    (its latest checkpoint) or any Hugging Face checkpoint directory."""
+    (its latest checkpoint), a shipped warm start `assets:NAME` or any Hugging Face checkpoint directory."""
+    if path.startswith("assets:"):
+        from vagen.config import model_path_error
+        from vagen.models import resolve_model_path
+
+        problem = model_path_error(path)
+        if problem:
+            raise FileNotFoundError(f"--checkpoint {path!r} " + problem.replace(f"model.path={path!r} ", "", 1))
+        return resolve_model_path(path)
     p = Path(path)
     if (p / "checkpoints" / "latest").exists():
         p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
@@ -244,7 +254,7 @@ def resolve_checkpoint(path: str) -> Path:
     if not (p / "config.json").exists():
         raise FileNotFoundError(
             f"--checkpoint {path!r}: no model there (expected config.json); pass a run directory, "
-            "runs/<run>/checkpoints/step_N, or a Hugging Face checkpoint directory"
+            "runs/<run>/checkpoints/step_N, a shipped warm start assets:NAME, or a Hugging Face checkpoint directory"
         )
     return p
 
@@ -252,10 +262,12 @@ def resolve_checkpoint(path: str) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
-    parser.add_argument("--checkpoint", required=True, help="run dir, checkpoints/step_N, or a HF checkpoint dir")
+    parser.add_argument("--checkpoint", required=True,
+                        help="run dir, checkpoints/step_N, a shipped warm start assets:NAME, or a HF checkpoint dir")
     parser.add_argument("--episodes", type=int, default=None, help="held-out episodes (default eval.episodes)")
     parser.add_argument("--videos", type=int, default=None, help="episode videos (default eval.videos)")
-    parser.add_argument("--out", default=None, help="output directory (default <checkpoint>/eval)")
+    parser.add_argument("--out", default=None, help="output directory (default <checkpoint>/eval; for assets:NAME "
+                                                     "<train.run_dir>/eval/NAME)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -279,7 +291,12 @@ def main(argv=None) -> int:
     dist = Dist(rank, world, int(os.environ.get("LOCAL_RANK", "0")), device)
     model, processor = load_policy(checkpoint, cfg.model.dtype)
     model.to(device)
-    out = Path(args.out) if args.out else checkpoint.parent / "eval"
+    if args.out:
+        out = Path(args.out)
+    elif args.checkpoint.startswith("assets:"):  # never into the repository's assets
+        out = Path(cfg.train.run_dir) / "eval" / args.checkpoint.removeprefix("assets:")
+    else:
+        out = checkpoint.parent / "eval"
     episodes = args.episodes if args.episodes is not None else cfg.eval.episodes
     videos = args.videos if args.videos is not None else cfg.eval.videos
     print(f"evaluating {checkpoint} on {episodes} held-out {cfg.env.name} episodes (config {cfg.name})", flush=True)

@@ -310,13 +310,25 @@ def _plan(env, policy: str, rng: np.random.Generator,
     return actions, states, sim.state(), success, sim.describe_state() if sim.state_weights else ""
 
 
+def demo_response(env, policy: str, rng: np.random.Generator, style: str | None = None, kind: str = "near") -> str:
+    """`policy`'s response to the env's current state, in `env.prompt_format` (the env is left as it
+    is). Envs with state relations observe and predict with `describe_state` (the state before and
+    after the turn's actions), as the state grader wants."""
+    actions, states, after, success, predicted = _plan(env, policy, rng, style)
+    fields = reasoning(env.name, states, actions, rng, style, kind)
+    if env.state_weights:  # graded fields: the true state before and after the turn, in the env's words
+        fields["observation"], fields["prediction"] = env.describe_state(), predicted
+    else:
+        fields["prediction"] = _prediction(env.name, after, success)
+    return format_response(env.prompt_format, ", ".join(actions), fields)
+
+
 def play_demo(env, seed: int, policy: str, max_turns: int, style: str | None = None,
               draw_style: bool = False, kind: str = "near") -> Demo:
     """Play one episode of `policy` (teacher | solver | random) on `env` from `seed`. A teacher with
     styles (`teacher_styles`) plays the given `style`, or with `draw_style` one drawn from the seed
     for the whole episode, and then says which in its reasoning; else its default style, unsaid.
-    `kind`: what the reasoning says (`reasoning`). Envs with state relations observe and predict
-    with `describe_state` (the state before and after the turn's actions), as the state grader wants."""
+    `kind`: what the reasoning says (`reasoning`); each turn's response is `demo_response`'s."""
     if policy not in POLICIES:
         raise ValueError(f"unknown demonstration policy {policy!r}; choices: {', '.join(POLICIES)}")
     env.reset(seed=seed)
@@ -328,13 +340,7 @@ def play_demo(env, seed: int, policy: str, max_turns: int, style: str | None = N
         styles = teacher_styles(env)
         style = styles[int(np.random.default_rng([seed, 11]).integers(len(styles)))]
     for _ in range(max_turns):
-        actions, states, after, success, predicted = _plan(env, policy, rng, style)
-        fields = reasoning(env.name, states, actions, rng, style, kind)
-        if env.state_weights:  # graded fields: the true state before and after the turn, in the env's words
-            fields["observation"], fields["prediction"] = env.describe_state(), predicted
-        else:
-            fields["prediction"] = _prediction(env.name, after, success)
-        response = format_response(env.prompt_format, ", ".join(actions), fields)
+        response = demo_response(env, policy, rng, style, kind)
         _, reward, terminated, truncated, info = env.step(response)
         assert info["format_ok"], f"demonstration response does not parse: {response!r}"
         demo.responses.append(response)
@@ -440,7 +446,8 @@ def blind_success(cfg_env, seeds: list[int], max_turns: int, candidates: int = 6
 
 def demo_episode(demo: Demo, env, encoder: ChatEncoder, group_id: int = 0) -> Episode:
     """Replay `demo` through `env` (fresh, same params in any render mode) into an `Episode` built
-    exactly as `rollout` builds one; raises if the env returns different rewards than recorded."""
+    exactly as `rollout` builds one; raises if the env returns different rewards than recorded (a
+    reward recorded as None is not checked)."""
     obs, _ = env.reset(seed=demo.seed)
     episode = Episode(env.name, demo.seed, group_id, env.system_prompt(), initial_observation=obs)
     for turn, (response, recorded) in enumerate(zip(demo.responses, demo.rewards)):
@@ -454,7 +461,7 @@ def demo_episode(demo: Demo, env, encoder: ChatEncoder, group_id: int = 0) -> Ep
         start = len(episode.input_ids)
         episode.input_ids += generated
         next_obs, reward, terminated, truncated, info = env.step(text)
-        if reward != recorded:
+        if recorded is not None and reward != recorded:
             raise RuntimeError(f"replaying seed {demo.seed} turn {turn}: reward {reward} but the demonstration "
                                f"recorded {recorded}; the env params differ from those the demos were made with")
         episode.turns.append(Turn(obs.text, obs.images, text, reward, info, (start, len(episode.input_ids)),

@@ -6,6 +6,7 @@ training starts from).
     python -m vagen.sft --config frozenlake_visual [--out DIR] [--eval 256] [section.key=value ...]
     python -m vagen.sft --config sokoban_visual --evaluate assets/checkpoints/sokoban_visual
     python -m vagen.sft --config sokoban_visual --base WARM_START --cells-only --out DIR sft.cell_steps=1500
+    python -m vagen.sft --config sokoban_visual --base WARM_START --on-policy-only --out DIR sft.on_policy_levels=1000
 
 Training runs until the answer accuracy on held-out demonstrations (teacher forcing: a turn counts
 when every token of its `<answer>…</answer>` is the model's argmax) stops improving, so the warm
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -374,6 +376,95 @@ def cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, l
     return engine, stats
 
 
+ON_POLICY_START = 2 * 10**6  # the on-policy stage plays training levels from these seeds (distinct from evaluation)
+ON_POLICY_VAL_LEVELS = 128  # held-out levels of the on-policy stage at most (an eighth of its levels, at least 4)
+
+
+def relabelled_samples(episodes, cfg, encoder, model, policy: str = "teacher") -> list:
+    """For each turn after the first of each of `episodes` (played by the model), a training sample
+    whose context is the model's own episode up to that turn (its earlier responses, the env's replies
+    and frames) and whose response is `policy`'s from the state the model reached. Only that last
+    response is learned (loss, answer and turn-end masks of the earlier turns are cleared). A turn whose
+    earlier responses do not survive re-tokenisation unchanged is skipped."""
+    import numpy as np
+
+    from vagen.rollout import make_env
+    from vagen.trajectory import episode_to_sample
+    from vagen.warmstart.demos import Demo, demo_episode, demo_response
+
+    text_env, env = make_env(cfg.env, {"render_mode": "text"}), make_env(cfg.env)
+    samples = []
+    for episode in episodes:
+        if episode.error or len(episode.turns) < 2:
+            continue
+        text_env.reset(seed=episode.seed)
+        responses = [turn.response for turn in episode.turns]
+        for t in range(1, len(responses)):
+            _, _, terminated, truncated, _ = text_env.step(responses[t - 1])
+            if terminated or truncated:  # the env ended where the rollout did not: nothing to relabel
+                break
+            rng = np.random.default_rng([episode.seed, 13, t])
+            target = demo_response(text_env, policy, rng, kind=cfg.sft.reasoning)
+            demo = Demo(episode.seed, "", responses[:t] + [target], [None] * (t + 1))
+            try:
+                replayed = demo_episode(demo, env, encoder, group_id=len(samples))
+            except AssertionError:  # an earlier response that tokenises differently: its context is not the model's
+                continue
+            if len(replayed.turns) != t + 1:
+                continue
+            sample = episode_to_sample(replayed, encoder, model)
+            start = replayed.turns[-1].span[0]
+            for name in ("loss_mask", "sampled_mask", "answer_mask", "think_mask", "turn_end_mask", "token_rewards"):
+                getattr(sample, name)[:start] = 0
+            samples.append(sample)
+    return samples
+
+
+def on_policy_stage(model, encoder, cfg, dist, train_samples, policy: str = "teacher", log=print):
+    """The last stage of a warm start: the model plays `sft.on_policy_levels` training levels (sampled at
+    `rollout.temperature`, none of them an evaluation level), `relabelled_samples` turns each of its
+    later turns into `policy`'s answer after the model's own history, and `sft.on_policy_steps` steps
+    (a new optimizer and a cosine from `sft.lr`, batch `sft.batch_size`) learn them mixed with the
+    demonstrations. Demonstrations alone show only the teacher's own histories, while RL samples
+    after the model's; this stage trains on those. Returns the engine and stats."""
+    from vagen.rollout import make_env, own_draws, rollout, rollout_metrics
+    from vagen.warmstart.demos import distinct_levels, eval_level_keys
+
+    sft = cfg.sft
+    t0 = time.perf_counter()
+    exclude = eval_level_keys(cfg.env, sft.exclude_eval)
+    env = make_env(cfg.env, {"render_mode": "text"})
+    val_levels = min(ON_POLICY_VAL_LEVELS, max(4, sft.on_policy_levels // 8))
+    seeds = list(distinct_levels(env, sft.on_policy_levels + val_levels, itertools.count(ON_POLICY_START),
+                                 exclude, fix="lower sft.on_policy_levels"))
+    model.eval()
+    episodes = []
+    with own_draws(1):
+        for start in range(0, len(seeds), 64):
+            played, _ = rollout(model, encoder, cfg, seeds[start:start + 64], 1, do_sample=True)
+            episodes += played
+    played = rollout_metrics(episodes)
+    cut = sft.on_policy_levels
+    train = relabelled_samples(episodes[:cut], cfg, encoder, model, policy)
+    val = relabelled_samples(episodes[cut:], cfg, encoder, model, policy)
+    if not train or not val:
+        raise RuntimeError(f"the on-policy stage found {len(train)} training and {len(val)} held-out turns after the "
+                           f"first: the model's episodes end in one turn (rollout.max_turns={cfg.rollout.max_turns}); "
+                           f"set sft.on_policy_levels=0")
+    log(f"on-policy: the model played {len(episodes)} levels (format ok {played['rollout/format_ok']:.3f}, success "
+        f"{played['rollout/success']:.3f}); {len(train)} later turns relabelled by the {policy}, mixed into "
+        f"{len(train_samples)} demonstrations ({time.perf_counter() - t0:.0f}s)")
+    stage = dataclasses.replace(cfg, sft=dataclasses.replace(
+        sft, max_steps=sft.on_policy_steps, min_steps=sft.on_policy_steps, lr_schedule="cosine"))
+    engine = sft_engine(model, stage, dist)
+    stats = train_sft(engine, train_samples + train, val, stage, encoder.pad_id, dist.device,
+                      log=lambda line: log(f"on-policy: {line}"), desc="sft: on-policy")
+    return engine, {"sft/on_policy_format_ok": played["rollout/format_ok"],
+                    "sft/on_policy_success": played["rollout/success"], "sft/on_policy_turns": len(train),
+                    "sft/on_policy_accuracy": stats["sft/val_answer_accuracy"],
+                    "sft/on_policy_seconds": time.perf_counter() - t0}
+
+
 # -- building a warm start --------------------------------------------------------------------------
 
 def demonstration_code(env_name: str, perception: bool = False) -> str:
@@ -419,17 +510,23 @@ def default_out(cfg, policy: str) -> Path:
 
 
 def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=print,
-                     cells_only: bool = False, command: str | None = None) -> dict[str, float]:
+                     cells_only: bool = False, command: str | None = None,
+                     on_policy_only: bool = False) -> dict[str, float]:
     """SFT `base_path` on `policy`'s demonstrations and save the result (HF format) to `out`, with
     `STATE_FILE` recording the command, code revision, settings and build metrics. With
-    `cells_only`, `base_path` is a warm start already and only the cell-question stage runs on it
-    (its demonstrations are mixed in as in a full build)."""
+    `cells_only` (`on_policy_only`), `base_path` is a warm start already and only the cell-question
+    (on-policy) stage runs on it, with its demonstrations mixed in as in a full build."""
     from vagen.models import load_policy, set_pixel_bounds
     from vagen.rollout import ChatEncoder
 
+    if cells_only and on_policy_only:
+        raise ValueError("cells_only and on_policy_only each run one stage alone: choose one")
     if cells_only and not cfg.sft.cell_questions:
         raise ValueError("a cells-only build runs the cell-question stage, but sft.cell_questions=0; "
                          "set sft.cell_questions (e.g. 3000) or build all stages")
+    if on_policy_only and not cfg.sft.on_policy_levels:
+        raise ValueError("an on-policy-only build runs the on-policy stage, but sft.on_policy_levels=0; "
+                         "set sft.on_policy_levels (e.g. 1000) or build all stages")
     t0 = time.perf_counter()
     questions = bool(cfg.sft.perception_steps or cfg.sft.cell_questions)
     # The code the demonstrations are written by, read before they are: the checkout may change during a build.
@@ -446,16 +543,23 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     log(f"warm start: {len(train_samples)} {policy} demonstrations ({sum(d.success for d in train_demos)} "
         f"successful) in {data_s:.1f}s; training on {dist.device}")
     stats = {}
-    if not cells_only:
+    if not (cells_only or on_policy_only):
         if cfg.sft.perception_steps:
             stats.update(perception_stage(model, encoder, cfg, dist, log))
         engine = sft_engine(model, cfg, dist)
         stats.update(train_sft(engine, train_samples, val_samples, cfg, encoder.pad_id, dist.device, log=log,
                                desc="sft: demonstrations"))
         model = engine.module
-    if cfg.sft.cell_questions:
+    if cfg.sft.cell_questions and not on_policy_only:
         engine, cell_stats = cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, log)
         stats.update(cell_stats)
+        model = engine.module
+    if cfg.sft.on_policy_levels and not cells_only:
+        engine, on_policy_stats = on_policy_stage(model, encoder, cfg, dist, train_samples, policy, log)
+        stats.update(on_policy_stats)
+        # the demonstrations' held-out accuracy after it (the check the other stages end on)
+        stats.update(answer_accuracy(engine.module, val_samples, encoder.pad_id, dist.device,
+                                     cfg.sft.micro_batch_size))
     if val_samples and val_samples[0].pixel_values is not None:
         stats.update(frame_dependence(engine.module, val_samples, stats["sft/val_answer_accuracy"], encoder.pad_id,
                                       dist.device, cfg.sft.micro_batch_size, log, cfg.sft.reasoning == "path"))
@@ -470,7 +574,8 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     (tmp / STATE_FILE).write_text(json.dumps({
         "config": cfg.name, "command": command, "code_revision": revision, "demonstration_code": demo_code,
         "base": str(base_path),
-        "policy": policy, "stages": "cells" if cells_only else "all", "settings": settings, **stats}, indent=1))
+        "policy": policy, "stages": "cells" if cells_only else "on_policy" if on_policy_only else "all",
+        "settings": settings, **stats}, indent=1))
     if out.exists():  # an earlier build at the same place is replaced whole
         import shutil
 
@@ -526,10 +631,15 @@ def main(argv=None) -> int:
                              "its card.json")
     parser.add_argument("--cells-only", action="store_true",
                         help="--base is a warm start: run only the cell-question stage on it (sft.cell_*)")
+    parser.add_argument("--on-policy-only", action="store_true",
+                        help="--base is a warm start: run only the on-policy stage on it (sft.on_policy_*)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
-    if args.cells_only and not (args.base and args.out):
-        parser.error("--cells-only continues an existing warm start: name it with --base and the result with --out")
+    for flag, given in (("--cells-only", args.cells_only), ("--on-policy-only", args.on_policy_only)):
+        if given and not (args.base and args.out):
+            parser.error(f"{flag} continues an existing warm start: name it with --base and the result with --out")
+    if args.cells_only and args.on_policy_only:
+        parser.error("--cells-only and --on-policy-only each run one stage alone: choose one")
     if args.policy not in ("teacher", "solver"):
         parser.error(f"--policy {args.policy!r}: choose teacher or solver")
     from vagen.config import load_config_or_exit
@@ -542,6 +652,9 @@ def main(argv=None) -> int:
                      f"which a warm-start build does not support; build it with train.deepspeed_config="
                      f"deepspeed/zero2_bf16.json (model.dtype=bfloat16) or deepspeed/zero0_fp32.json, then train "
                      f"from it with ZeRO-3")
+    if args.on_policy_only and not cfg.sft.on_policy_levels:
+        parser.error("--on-policy-only runs the on-policy stage, but sft.on_policy_levels=0; add e.g. "
+                     "sft.on_policy_levels=1000")
     if args.evaluate:
         checkpoint = Path(args.evaluate)
         n = args.eval or 256
@@ -557,7 +670,8 @@ def main(argv=None) -> int:
     command = " ".join(["python -m vagen.sft", *(argv if argv is not None else sys.argv[1:])])
     print(f"warm start of {base} on {args.policy} demonstrations ({cfg.env.name}, config {cfg.name}) -> {out}",
           flush=True)
-    build_warm_start(cfg, base, out, args.policy, dist, cells_only=args.cells_only, command=command)
+    build_warm_start(cfg, base, out, args.policy, dist, cells_only=args.cells_only, command=command,
+                     on_policy_only=args.on_policy_only)
     if args.eval:
         write_card(cfg, out, report(cfg, out, args.eval), args.eval)
         print(f"card written to {out / CARD_FILE}", flush=True)
