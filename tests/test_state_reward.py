@@ -167,7 +167,7 @@ class _Describing:
         return getattr(self.env, name)
 
 
-def test_a_run_with_the_state_reward_logs_both_scores_and_pays_for_true_descriptions(
+def test_a_run_logs_both_scores_and_with_the_state_reward_pays_for_true_descriptions(
         tmp_path, model_cache, distributed, monkeypatch):
     import json
 
@@ -188,7 +188,9 @@ def test_a_run_with_the_state_reward_logs_both_scores_and_pays_for_true_descript
         assert true["rollout/grounding_score"] == true["rollout/worldmodel_score"] == 1.0
         assert mirrored["rollout/grounding_score"] < 0.5 and mirrored["rollout/worldmodel_score"] < 0.5
         assert true["rollout/state_repeats"] == mirrored["rollout/state_repeats"] == 0.0
-        assert "rollout/grounding_score" not in unrewarded
+        # unrewarded, the descriptions are still graded and logged: the same scores, no reward for them
+        assert unrewarded["rollout/grounding_score"] == unrewarded["rollout/worldmodel_score"] == 1.0
+        assert "rollout/state_repeats" not in unrewarded
         # The scripted episodes are the same in the three runs, and every turn parses: each turn gains
         # 0.5 x its observation's score + 0.5 x its prediction's.
         assert true["rollout/turns"] == mirrored["rollout/turns"] == unrewarded["rollout/turns"]

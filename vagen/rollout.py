@@ -381,7 +381,9 @@ def env_error_summary(err: BaseException) -> str:
 
 
 def rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """Means over episodes of success, return, turns, format and validity rates, response length."""
+    """Means over episodes of success, return, turns, format and validity rates, response length, and
+    over the turns that have them, the state scores of their graded fields (after the state reward's
+    repetition check, when it ran)."""
     def mean(values):
         values = list(values)
         return float(sum(values) / len(values)) if values else 0.0
@@ -398,6 +400,9 @@ def rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
         "rollout/response_length": mean(t.response_length for t in turns),
         "rollout/truncated_trajectories": float(sum(ep.truncated_by_length for ep in episodes)),
         "rollout/env_errors": float(sum(ep.error is not None for ep in episodes)),
+        # how well the graded fields match the true state (turns that have them), whether or not they are rewarded
+        **{f"rollout/{key}": mean(scores) for key in ("grounding_score", "worldmodel_score")
+           if (scores := [t.info[key] for t in turns if t.info.get(key) is not None])},
     }
 
 
