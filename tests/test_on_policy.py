@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from vagen.config import ConfigError, load_config
 from vagen.models import load_policy
@@ -21,9 +22,10 @@ def played(cfg, encoder, seed: int):
     return demo_episode(Demo(seed, "", list(MODEL_SAID), [None] * 3), make_env(cfg.env), encoder)
 
 
-def test_each_later_turn_is_the_teachers_answer_after_the_models_own_history():
-    cfg = load_config("sokoban_text")
-    model, processor = load_policy(SOKOBAN_TEXT)
+@pytest.mark.parametrize("name", ["sokoban_text", "sokoban_visual"])
+def test_each_later_turn_is_the_teachers_answer_after_the_models_own_history(name):
+    cfg = load_config(name)
+    model, processor = load_policy(f"assets/checkpoints/{name}")
     encoder = ChatEncoder(processor)
     seed = 3
     episode = played(cfg, encoder, seed)
@@ -45,6 +47,11 @@ def test_each_later_turn_is_the_teachers_answer_after_the_models_own_history():
         assert learned[-1] == encoder.im_end_id
         assert sample.turn_end_mask.sum() == 1 and sample.turn_end_mask[-1] == 1
         assert sample.answer_mask[:start].sum() == 0 and sample.answer_mask.sum() > 0
+        if name == "sokoban_visual":  # the frames of turns 1..t+1, the model's own
+            assert sample.image_grid_thw.shape[0] == t + 1
+            assert torch.equal(sample.pixel_values, torch.cat(episode.pixel_values[: t + 1]))
+        else:
+            assert sample.pixel_values is None
 
 
 def test_an_episode_of_one_turn_gives_nothing_to_relabel():

@@ -382,41 +382,36 @@ ON_POLICY_VAL_LEVELS = 128  # held-out levels of the on-policy stage at most (an
 
 def relabelled_samples(episodes, cfg, encoder, model, policy: str = "teacher") -> list:
     """For each turn after the first of each of `episodes` (played by the model), a training sample
-    whose context is the model's own episode up to that turn (its earlier responses, the env's replies
-    and frames) and whose response is `policy`'s from the state the model reached. Only that last
-    response is learned (loss, answer and turn-end masks of the earlier turns are cleared). A turn whose
-    earlier responses do not survive re-tokenisation unchanged is skipped."""
+    whose context is the model's own episode up to that turn, token for token (its earlier responses,
+    the env's replies and frames), and whose one learned response is `policy`'s from the state the
+    model reached (found by replaying the model's responses in the env's text mode)."""
     import numpy as np
 
-    from vagen.rollout import make_env
+    from vagen.rollout import Episode, Turn, make_env
     from vagen.trajectory import episode_to_sample
-    from vagen.warmstart.demos import Demo, demo_episode, demo_response
+    from vagen.warmstart.demos import demo_response
 
-    text_env, env = make_env(cfg.env, {"render_mode": "text"}), make_env(cfg.env)
+    env = make_env(cfg.env, {"render_mode": "text"})
     samples = []
     for episode in episodes:
         if episode.error or len(episode.turns) < 2:
             continue
-        text_env.reset(seed=episode.seed)
-        responses = [turn.response for turn in episode.turns]
-        for t in range(1, len(responses)):
-            _, _, terminated, truncated, _ = text_env.step(responses[t - 1])
+        env.reset(seed=episode.seed)
+        for t in range(1, len(episode.turns)):
+            _, _, terminated, truncated, _ = env.step(episode.turns[t - 1].response)
             if terminated or truncated:  # the env ended where the rollout did not: nothing to relabel
                 break
-            rng = np.random.default_rng([episode.seed, 13, t])
-            target = demo_response(text_env, policy, rng, kind=cfg.sft.reasoning)
-            demo = Demo(episode.seed, "", responses[:t] + [target], [None] * (t + 1))
-            try:
-                replayed = demo_episode(demo, env, encoder, group_id=len(samples))
-            except AssertionError:  # an earlier response that tokenises differently: its context is not the model's
-                continue
-            if len(replayed.turns) != t + 1:
-                continue
-            sample = episode_to_sample(replayed, encoder, model)
-            start = replayed.turns[-1].span[0]
-            for name in ("loss_mask", "sampled_mask", "answer_mask", "think_mask", "turn_end_mask", "token_rewards"):
-                getattr(sample, name)[:start] = 0
-            samples.append(sample)
+            turn = episode.turns[t]
+            target = demo_response(env, policy, np.random.default_rng([episode.seed, 13, t]), kind=cfg.sft.reasoning)
+            generated, text = encoder.finish_response(encoder.encode_text(target))
+            start, images = turn.span[0], sum(len(earlier.images) for earlier in episode.turns[: t + 1])
+            relabelled = Episode(episode.env_name, episode.seed, len(samples), episode.system_prompt,
+                                 input_ids=episode.input_ids[:start] + generated,
+                                 pixel_values=episode.pixel_values[:images],
+                                 image_grid_thw=episode.image_grid_thw[:images])
+            relabelled.turns.append(Turn(turn.observation, turn.images, text, 0.0, {},
+                                         (start, start + len(generated)), len(generated)))
+            samples.append(episode_to_sample(relabelled, encoder, model))
     return samples
 
 
