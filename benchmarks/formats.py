@@ -16,9 +16,19 @@ intervals). From each run's metrics over training: the grading score of its desc
 (`rollout/grounding_score`, `rollout/worldmodel_score`), its response length and its echo rate.
 Writes OUT/table.md and OUT/formats.png; each arm's own results are in OUT/<arm>/.
 
-    python benchmarks/formats.py                          # 3 seeds x 4 arms, 256 levels: about 1.5 h on 2 cores
+    python benchmarks/formats.py                          # 3 seeds x 4 arms, 256 levels, one after another
     python benchmarks/formats.py --smoke                  # a couple of minutes: proves the pipeline runs
     python benchmarks/formats.py --report                 # only rewrite the table and plot from OUT
+
+The recorded run (docs/results/frozenlake.md, run S) ran two arms at a time on two cores, one thread
+each, the structured arms with evaluations every 5 iterations (theirs cost about five times as much,
+and a run stops at the first evaluation past its budget):
+
+    python benchmarks/formats.py --arms no_think --minutes 6 --eval-every 10 &
+    python benchmarks/formats.py --arms free_think --minutes 6 --eval-every 10
+    python benchmarks/formats.py --arms gwm --minutes 5 --eval-every 5 &
+    python benchmarks/formats.py --arms gwm+state --minutes 5 --eval-every 5
+    python benchmarks/formats.py --report
 """
 
 from __future__ import annotations
@@ -52,7 +62,8 @@ TRACKED = ("rollout/grounding_score", "rollout/worldmodel_score", "rollout/respo
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--minutes", type=float, default=5.0, help="CPU-minutes of RL per arm and training seed")
+    parser.add_argument("--minutes", type=float, default=6.0,
+                        help="CPU-minutes of RL per arm and training seed (a run stops at the first evaluation past them)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eval-n", type=int, default=256, help="distinct held-out levels")
     parser.add_argument("--eval-every", type=int, default=5, help="RL iterations between evaluations")
@@ -111,7 +122,8 @@ def collect(out: Path, arms: list[str]) -> dict:
 
 
 def pooled(rows: list[dict]) -> str:
-    """Mean success over seeds, with the 95% Wilson interval of all their episodes pooled."""
+    """Mean success over seeds, with the 95% Wilson interval of all their episodes pooled (the seeds
+    play the same levels, so it is narrower than one over as many distinct levels would be)."""
     from vagen.rollout import wilson_interval
 
     successes, n = sum(r["successes"] for r in rows), sum(r["n"] for r in rows)
@@ -131,7 +143,7 @@ def window(curve: list[dict], key: str, first: bool, k: int = 3):
 
 def table(results: dict) -> str:
     lines = ["| arm | warm start greedy [95% CI] | after RL greedy [95% CI] | per seed | after RL sampled [95% CI] | "
-             "format ok (greedy) | iterations | grounding score first → last | world-model score first → last | "
+             "format ok (greedy) | iterations (CPU-min) | grounding score first → last | world-model score first → last | "
              "response tokens first → last | echo rate first → last |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, res in results.items():
@@ -139,7 +151,7 @@ def table(results: dict) -> str:
         greedy = [f["greedy"] for f in finals]
         trained = list(res["training"].values())
         per_seed = " / ".join(f"{g['success']:.3f}" for g in greedy)
-        iterations = " / ".join(str(f["iteration"]) for f in finals)
+        iterations = " / ".join(f"{f['iteration']} ({f['cpu_minutes']:.1f})" for f in finals)
 
         def change(key, digits=2):
             first = mean([window(c, key, True) for c in trained])
@@ -194,7 +206,8 @@ def plot(results: dict, path: Path) -> None:
     axes[0][0].set_xlabel("CPU-minutes of RL")
     axes[0][0].set_ylim(-0.02, 1.02)
     for ax in axes.flat:
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
