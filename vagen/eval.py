@@ -7,8 +7,9 @@
     python -m vagen.eval --config sokoban_visual --checkpoint assets:sokoban_visual   (a shipped warm start)
 
 Writes `results.json` and a Markdown table `results.md` into the output directory (default:
-`<checkpoint>/eval`, for a shipped warm start `<train.run_dir>/eval/NAME`), and episode videos (mp4 + GIF) under `videos/`. Seeds are the evaluation seeds
-(>= 1e9), disjoint from every training seed. Decoding is greedy unless `eval.do_sample=true`.
+`<checkpoint>/eval`, for a shipped warm start `<train.run_dir>/eval/NAME`), and episode videos
+(mp4 + GIF) under `videos/`. Seeds are the evaluation seeds (>= 1e9), disjoint from every training
+seed. Decoding is greedy unless `eval.do_sample=true`.
 """
 
 from __future__ import annotations
