@@ -38,7 +38,8 @@ def test_turn_rewards_gain_the_coefficients_times_the_grades():
     stats = rewarder([_episode(graded, unparsed)])
     assert graded.reward == 1.0 + 0.5 * 1.0 + 0.25 * 0.5
     assert unparsed.reward == -0.5
-    assert stats == {"rollout/grounding_score": 1.0, "rollout/worldmodel_score": 0.5, "rollout/state_repeats": 0.0}
+    assert stats == {"rollout/grounding_score": 1.0, "rollout/worldmodel_score": 0.5, "rollout/state_repeats": 0.0,
+                     "rollout/grounding_score_raw": 1.0, "rollout/worldmodel_score_raw": 0.5}
 
 
 def test_only_the_fields_the_format_has_are_graded():
@@ -46,7 +47,7 @@ def test_only_the_fields_the_format_has_are_graded():
     turn = _turn("the box is up-left", "", 0.5, None)  # grounding format: no <prediction>
     stats = rewarder([_episode(turn)])
     assert turn.reward == 1.25
-    assert stats == {"rollout/grounding_score": 0.5, "rollout/state_repeats": 0.0}
+    assert stats == {"rollout/grounding_score": 0.5, "rollout/state_repeats": 0.0, "rollout/grounding_score_raw": 0.5}
 
 
 def test_a_description_written_for_too_many_different_states_scores_zero():
@@ -60,6 +61,7 @@ def test_a_description_written_for_too_many_different_states_scores_zero():
     assert turns[2].info["grounding_score"] == 0.0
     assert stats["rollout/state_repeats"] == pytest.approx(1 / 3)
     assert stats["rollout/grounding_score"] == pytest.approx(2 / 3)
+    assert stats["rollout/grounding_score_raw"] == 1.0  # before the check, the template's own grade
 
 
 def test_the_same_description_of_the_same_state_is_never_a_repeat():

@@ -144,7 +144,8 @@ class StateRewarder:
     def __call__(self, episodes) -> dict[str, float]:
         """Grade every turn that has a score, zero repeats, add the rewards; return the metrics:
         rollout/grounding_score and rollout/worldmodel_score (means over graded turns, after the
-        repetition check) and rollout/state_repeats (the share of graded descriptions zeroed)."""
+        repetition check), the same before it (`_raw`), and rollout/state_repeats (the share of graded
+        descriptions zeroed)."""
         graded = []  # (turn, field, score key, state key, coefficient)
         for ep in episodes:
             for turn in ep.turns:
@@ -165,8 +166,9 @@ class StateRewarder:
             flags = [self.tracker.add(text, state) for text, state in items]
             if rank == mine:
                 repeated = flags
-        sums, counts, repeats = Counter(), Counter(), 0
+        sums, raw, counts, repeats = Counter(), Counter(), Counter(), 0
         for (turn, _, score_key, _, coef), repeat in zip(graded, repeated):
+            raw[score_key] += float(turn.info[score_key])
             if repeat:
                 turn.info[score_key] = 0.0
                 repeats += 1
@@ -175,6 +177,8 @@ class StateRewarder:
             sums[score_key] += score
             counts[score_key] += 1
         stats = {METRIC[k]: sums[k] / counts[k] for k in counts}
+        # the grades before the repetition check: comparable with a run without the state reward
+        stats.update({METRIC[k] + "_raw": raw[k] / counts[k] for k in counts})
         if graded:
             stats["rollout/state_repeats"] = repeats / len(graded)
         return stats
