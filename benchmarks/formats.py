@@ -55,8 +55,8 @@ ARMS = {
 WARM_START = ["sft.perception_steps=0", "sft.cell_questions=0", "sft.lr=3e-4", "sft.lr_schedule=constant",
               "sft.min_steps=200", "sft.max_steps=600"]
 SMOKE_WARM_START = ["sft.demos=16", "sft.val_demos=4", "sft.min_steps=0", "sft.max_steps=2", "sft.check_every=2"]
-TRACKED = ("rollout/grounding_score", "rollout/worldmodel_score", "rollout/response_length", "rollout/echo_rate",
-           "rollout/success")
+TRACKED = ("rollout/grounding_score", "rollout/worldmodel_score", "rollout/grounding_score_raw",
+           "rollout/worldmodel_score_raw", "rollout/response_length", "rollout/echo_rate", "rollout/success")
 
 
 def parse_args(argv=None):
@@ -154,6 +154,8 @@ def table(results: dict) -> str:
         iterations = " / ".join(f"{f['iteration']} ({f['cpu_minutes']:.1f})" for f in finals)
 
         def change(key, digits=2):
+            if any(key + "_raw" in row for curve in trained for row in curve):
+                key += "_raw"  # the state reward's grades before its repetition check, as an unrewarded run logs them
             first = mean([window(c, key, True) for c in trained])
             last = mean([window(c, key, False) for c in trained])
             return "-" if first is None else f"{fmt(first, digits)} → {fmt(last, digits)}"
