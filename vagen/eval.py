@@ -240,13 +240,12 @@ def resolve_checkpoint(path: str) -> Path:
     """The actor directory of a checkpoint: accepts `.../step_N`, `.../step_N/actor`, a run directory
     (its latest checkpoint), a shipped warm start `assets:NAME` or any Hugging Face checkpoint directory."""
     if path.startswith("assets:"):
-        from vagen.config import model_path_error
-        from vagen.models import resolve_model_path
+        from vagen.config import checkpoints_dir, model_path_error
 
         problem = model_path_error(path)
         if problem:
             raise FileNotFoundError(f"--checkpoint {path!r} " + problem.replace(f"model.path={path!r} ", "", 1))
-        return resolve_model_path(path)
+        return checkpoints_dir() / path.removeprefix("assets:")
     p = Path(path)
     if (p / "checkpoints" / "latest").exists():
         p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()

@@ -296,13 +296,12 @@ def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
 
 # -- held-out evaluation ----------------------------------------------------------------------------
 
-def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, batch: int = 64,
-                     sample_seed: int = 0, desc: str | None = None) -> dict[str, float]:
-    """Success, return and format rate of `model` on `seeds` (one episode each), greedy or sampled
-    with `rollout.temperature`; `successes` counts for `wilson_interval`. Sampling draws from
-    `sample_seed`, so a checkpoint scores the same whatever ran before in the process, and the
-    caller's random state is left as it was. With `desc`, a progress bar of that name counts episodes."""
-    from vagen.rollout import own_draws, rollout, rollout_metrics
+def play_levels(model, encoder, cfg, seeds: list[int], do_sample: bool, batch: int = 64, sample_seed: int = 0,
+                desc: str | None = None) -> list:
+    """One episode of `model` on each of `seeds`, `batch` at a time, greedy or sampled with
+    `rollout.temperature` from `sample_seed` (the caller's random state is left as it was). With
+    `desc`, a progress bar of that name counts episodes."""
+    from vagen.rollout import own_draws, rollout
     from vagen.run import progress_bar
 
     model.eval()
@@ -316,6 +315,18 @@ def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, bat
                 bar.update(len(played))
     if bar is not None:
         bar.close()
+    return episodes
+
+
+def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, batch: int = 64,
+                     sample_seed: int = 0, desc: str | None = None) -> dict[str, float]:
+    """Success, return and format rate of `model` on `seeds` (one episode each), greedy or sampled
+    with `rollout.temperature`; `successes` counts for `wilson_interval`. Sampling draws from
+    `sample_seed`, so a checkpoint scores the same whatever ran before in the process, and the
+    caller's random state is left as it was. With `desc`, a progress bar of that name counts episodes."""
+    from vagen.rollout import rollout_metrics
+
+    episodes = play_levels(model, encoder, cfg, seeds, do_sample, batch, sample_seed, desc)
     stats = rollout_metrics(episodes)
     return {"success": stats["rollout/success"], "return": stats["rollout/reward_mean"],
             "format_ok": stats["rollout/format_ok"], "successes": sum(ep.success for ep in episodes),
@@ -422,7 +433,7 @@ def on_policy_stage(model, encoder, cfg, dist, train_samples, policy: str = "tea
     (a new optimizer and a cosine from `sft.lr`, batch `sft.batch_size`) learn them mixed with the
     demonstrations. Demonstrations alone show only the teacher's own histories, while RL samples
     after the model's; this stage trains on those. Returns the engine and stats."""
-    from vagen.rollout import make_env, own_draws, rollout, rollout_metrics
+    from vagen.rollout import make_env, rollout_metrics
     from vagen.warmstart.demos import distinct_levels, eval_level_keys
 
     sft = cfg.sft
@@ -432,12 +443,7 @@ def on_policy_stage(model, encoder, cfg, dist, train_samples, policy: str = "tea
     val_levels = min(ON_POLICY_VAL_LEVELS, max(4, sft.on_policy_levels // 8))
     seeds = list(distinct_levels(env, sft.on_policy_levels + val_levels, itertools.count(ON_POLICY_START),
                                  exclude, fix="lower sft.on_policy_levels"))
-    model.eval()
-    episodes = []
-    with own_draws(1):
-        for start in range(0, len(seeds), 64):
-            played, _ = rollout(model, encoder, cfg, seeds[start:start + 64], 1, do_sample=True)
-            episodes += played
+    episodes = play_levels(model, encoder, cfg, seeds, do_sample=True, sample_seed=1)
     played = rollout_metrics(episodes)
     cut = sft.on_policy_levels
     train = relabelled_samples(episodes[:cut], cfg, encoder, model, policy)
