@@ -35,8 +35,9 @@ import torch  # noqa: E402
 import vagen.rollout as rollout_module  # noqa: E402
 from vagen import core  # noqa: E402
 from vagen.config import load_config  # noqa: E402
+from vagen.episode import ChatEncoder, train_seeds  # noqa: E402
 from vagen.models import base_checkpoint, load_policy  # noqa: E402
-from vagen.rollout import ChatEncoder, batch_generation_inputs, rollout, train_seeds  # noqa: E402
+from vagen.rollout import batch_generation_inputs, rollout  # noqa: E402
 from vagen.trajectory import collate, episode_to_sample, model_inputs  # noqa: E402
 from vagen.update import annotate, chunks, compute_advantages, ppo_update  # noqa: E402
 
@@ -142,7 +143,8 @@ def main():
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. model.builtin_layers=4)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from vagen.train import init_distributed, make_engine
+    from vagen.distributed import init_distributed
+    from vagen.train import make_engine
 
     dist = init_distributed()
     torch.set_num_threads(args.threads)

@@ -163,8 +163,9 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)
 
     from vagen.config import load_config
+    from vagen.episode import ChatEncoder
     from vagen.models import load_policy
-    from vagen.rollout import ChatEncoder, make_env, rollout
+    from vagen.rollout import make_env, rollout
     from vagen.warmstart.demos import distinct_eval_seeds, play_demo
 
     cfg = load_config(args.config, args.overrides)

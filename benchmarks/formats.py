@@ -124,7 +124,7 @@ def collect(out: Path, arms: list[str]) -> dict:
 def pooled(rows: list[dict]) -> str:
     """Mean success over seeds, with the 95% Wilson interval of all their episodes pooled (the seeds
     play the same levels, so it is narrower than one over as many distinct levels would be)."""
-    from vagen.rollout import wilson_interval
+    from vagen.eval import wilson_interval
 
     successes, n = sum(r["successes"] for r in rows), sum(r["n"] for r in rows)
     low, high = wilson_interval(successes, n)
@@ -153,7 +153,7 @@ def table(results: dict) -> str:
         per_seed = " / ".join(f"{g['success']:.3f}" for g in greedy)
         iterations = " / ".join(f"{f['iteration']} ({f['cpu_minutes']:.1f})" for f in finals)
 
-        def change(key, digits=2):
+        def change(key, digits=2, trained=trained):
             if any(key + "_raw" in row for curve in trained for row in curve):
                 key += "_raw"  # the state reward's grades before its repetition check, as an unrewarded run logs them
             first = mean([window(c, key, True) for c in trained])

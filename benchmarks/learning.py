@@ -83,8 +83,8 @@ def parse_args(argv=None):
 
 
 def evaluate(checkpoint, cfg, seeds) -> dict:
+    from vagen.episode import ChatEncoder
     from vagen.models import load_policy
-    from vagen.rollout import ChatEncoder
     from vagen.warmstart.sft import held_out_metrics
 
     model, processor = load_policy(Path(checkpoint), cfg.model.dtype)
@@ -127,8 +127,8 @@ def run_rl(name, overrides, warm_start, cfg_name, seed, args, seeds, out: Path, 
 
 def run_more_sft(warm_start, cfg, seed, args, seeds, dist) -> list[dict]:
     """The control: the same CPU time spent on more SFT on the teacher's demonstrations."""
+    from vagen.episode import ChatEncoder
     from vagen.models import load_policy
-    from vagen.rollout import ChatEncoder
     from vagen.warmstart import sft
 
     model, processor = load_policy(Path(warm_start), cfg.model.dtype)
@@ -224,7 +224,7 @@ def run_in_children(env: str, args, out: Path) -> tuple[dict[str, dict[int, list
 
 
 def interval(row) -> str:
-    from vagen.rollout import wilson_interval
+    from vagen.eval import wilson_interval
 
     low, high = wilson_interval(row["successes"], row["n"])
     return f"{row['success']:.3f} [{low:.3f}, {high:.3f}]"
@@ -327,8 +327,8 @@ def main(argv=None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
     from vagen.config import load_config
+    from vagen.distributed import init_distributed
     from vagen.models import base_checkpoint
-    from vagen.train import init_distributed
     from vagen.warmstart import sft
     from vagen.warmstart.demos import distinct_eval_seeds, scripted_baselines
 

@@ -40,8 +40,8 @@ import torch  # noqa: E402
 
 import envs_visual  # noqa: E402
 from vagen.config import load_config  # noqa: E402
+from vagen.episode import ChatEncoder  # noqa: E402
 from vagen.models import TinySpec, load_policy, resolve_model_path  # noqa: E402
-from vagen.rollout import ChatEncoder  # noqa: E402
 from vagen.trajectory import collate  # noqa: E402
 from vagen.warmstart.perception import (  # noqa: E402
     cell_answer,
@@ -127,7 +127,7 @@ def main() -> int:
     if args.moves_question and (args.env != "frozenlake" or args.moves):
         parser.error("--moves-question asks about FrozenLake frames with a randomly placed player: "
                      "use it without --env sokoban and --moves")
-    from vagen.train import init_distributed
+    from vagen.distributed import init_distributed
 
     dist = init_distributed()
     cfg = load_config("frozenlake_visual", [f"sft.lr={args.lr}", f"sft.batch_size={args.batch}",

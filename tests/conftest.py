@@ -57,7 +57,7 @@ def tiny_text(model_cache):
 @pytest.fixture(scope="session")
 def distributed():
     """A process group of one (gloo on CPU) so that real DeepSpeed engines can be built in tests."""
-    from vagen.train import init_distributed
+    from vagen.distributed import init_distributed
 
     return init_distributed()
 

@@ -9,7 +9,8 @@ from envs_visual.base import PROMPT_FORMATS, format_response
 from envs_visual.grid import DIRECTIONS
 from envs_visual.sokoban import teacher_decision
 from vagen.config import load_config
-from vagen.rollout import ChatEncoder, make_env, rollout
+from vagen.episode import ChatEncoder
+from vagen.rollout import make_env, rollout
 from vagen.warmstart.demos import (
     blind_success,
     collect_demos,

@@ -8,8 +8,8 @@ from ppo_reference import ADVANTAGES, ANSWERS, overrides, reference_update
 from update_fixtures import answer_samples
 
 from vagen.config import load_config
+from vagen.episode import ChatEncoder
 from vagen.models import load_policy, resolve_model_path
-from vagen.rollout import ChatEncoder
 
 WORKER = Path(__file__).parent / "dp_worker.py"
 

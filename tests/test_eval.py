@@ -7,9 +7,9 @@ from PIL import Image
 
 import envs_visual
 from vagen.config import load_config
+from vagen.episode import ChatEncoder, eval_seeds
 from vagen.eval import evaluate, main, play_reference, resolve_checkpoint
 from vagen.models import load_policy, resolve_model_path
-from vagen.rollout import ChatEncoder, eval_seeds
 
 
 def test_evaluating_the_tiny_model_writes_results_with_reference_rows_and_videos(tiny_vl, tmp_path, capsys):

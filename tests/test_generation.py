@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from vagen.config import load_config
-from vagen.generation import TurnGenerator
-from vagen.rollout import ChatEncoder, Episode, rollout
+from vagen.decoding_hf import TurnGenerator
+from vagen.episode import ChatEncoder, Episode
+from vagen.rollout import rollout
 
 
 def _play(model, processor, config, reuse, *extra, seeds=(3, 4), group_size=3):

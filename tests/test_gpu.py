@@ -11,7 +11,8 @@ import torch
 from test_train import FAST
 
 from vagen.config import load_config
-from vagen.rollout import ChatEncoder, rollout
+from vagen.episode import ChatEncoder
+from vagen.rollout import rollout
 from vagen.train import main
 from vagen.trajectory import episode_to_sample
 from vagen.update import annotate

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from vagen.config import ConfigError, load_config
+from vagen.episode import ChatEncoder
 from vagen.models import load_policy
-from vagen.rollout import ChatEncoder, make_env
+from vagen.rollout import make_env
 from vagen.warmstart import sft
 from vagen.warmstart.demos import Demo, demo_episode, demo_response
 

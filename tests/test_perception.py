@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from vagen.config import ConfigError, load_config
+from vagen.episode import ChatEncoder
 from vagen.models import resolve_model_path
-from vagen.rollout import ChatEncoder, make_env
+from vagen.rollout import make_env
 from vagen.warmstart import sft
 from vagen.warmstart.demos import eval_level_keys, level_key
 from vagen.warmstart.perception import (

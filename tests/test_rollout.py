@@ -1,7 +1,8 @@
 import torch
 
 from vagen.config import load_config
-from vagen.rollout import EVAL_SEED_BASE, ChatEncoder, eval_seeds, rollout, rollout_metrics, train_seeds
+from vagen.episode import EVAL_SEED_BASE, ChatEncoder, eval_seeds, train_seeds
+from vagen.rollout import rollout, rollout_metrics
 
 
 def _cfg(*extra):
@@ -58,7 +59,8 @@ def test_generate_ignores_the_checkpoints_own_generation_settings(tiny_text):
     transformers would apply to every option a call leaves unset; rollouts must sample as configured."""
     import copy
 
-    from vagen.rollout import Episode, batch_generation_inputs, generate
+    from vagen.episode import Episode
+    from vagen.rollout import batch_generation_inputs, generate
 
     _, model, tokenizer = tiny_text
     encoder = ChatEncoder(tokenizer)

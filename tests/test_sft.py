@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from vagen.config import load_config
+from vagen.episode import ChatEncoder
 from vagen.models import load_policy, resolve_model_path
-from vagen.rollout import ChatEncoder
 from vagen.warmstart import sft
 from vagen.warmstart.demos import distinct_eval_seeds
 
@@ -198,7 +198,8 @@ def test_a_warm_start_that_does_not_read_the_frame_is_reported(monkeypatch):
 
 
 def test_path_reasoning_is_checked_on_every_generated_token(monkeypatch):
-    from vagen.trajectory import Sample, generated_positions
+    from vagen.models import generated_positions
+    from vagen.trajectory import Sample
 
     zeros = torch.zeros(5)
     sample = Sample(torch.tensor([5, 6, 7, 8, 9]), torch.arange(5), loss_mask=torch.tensor([0, 1, 1, 1, 1.0]),

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from vagen.config import available_configs, checkpoints_dir, load_config, shipped_checkpoints
+from vagen.episode import ChatEncoder
 from vagen.models import load_policy, resolve_model_path
-from vagen.rollout import ChatEncoder
 from vagen.warmstart.demos import distinct_eval_seeds
 from vagen.warmstart.sft import CARD_FILE, held_out_metrics
 

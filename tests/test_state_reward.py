@@ -6,7 +6,7 @@ import types
 import pytest
 
 from vagen.config import ConfigError, load_config
-from vagen.rollout import Episode, Turn
+from vagen.episode import Episode, Turn
 from vagen.state_reward import RepetitionTracker, StateJudge, StateRewarder
 
 BEFORE = [["box", "above", "left"], ["target", "same", "right"]]

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from vagen.config import available_configs, from_dict, load_config
-from vagen.run import cpu_threads
+from vagen.distributed import cpu_threads
 from vagen.train import main
 
 FAST = ["train.iterations=2", "rollout.env_groups=2", "rollout.group_size=2", "rollout.max_new_tokens=12",

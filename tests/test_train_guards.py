@@ -62,7 +62,7 @@ class _Faulty:
 
 def test_an_environment_that_raises_ends_only_its_episode(tmp_path, model_cache, distributed, monkeypatch, capsys):
     import vagen.rollout
-    from vagen.rollout import train_seeds
+    from vagen.episode import train_seeds
 
     first, second = train_seeds(0, 2)  # the two level seeds of iteration 0
     raise_on = {("step", first): True, ("reset", second): True}  # one episode each
@@ -82,7 +82,8 @@ def test_an_environment_step_that_hangs_is_cut_off_by_the_timeout(tiny_text):
     import time
 
     from vagen.config import load_config
-    from vagen.rollout import ChatEncoder, make_env, rollout
+    from vagen.episode import ChatEncoder
+    from vagen.rollout import make_env, rollout
 
     _, model, tokenizer = tiny_text
     cfg = load_config("sokoban_text", ["rollout.max_new_tokens=8", "rollout.max_turns=2", "env.step_timeout=0.3"])

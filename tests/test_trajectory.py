@@ -3,15 +3,9 @@ import pytest
 import torch
 from PIL import Image
 
-from vagen.rollout import ChatEncoder, Episode, Turn
-from vagen.trajectory import (
-    collate,
-    episode_to_sample,
-    forward_shared_prefix,
-    generated_positions,
-    model_inputs,
-    shared_prefix_length,
-)
+from vagen.episode import ChatEncoder, Episode, Turn
+from vagen.models import forward_shared_prefix, generated_positions, shared_prefix_length
+from vagen.trajectory import collate, episode_to_sample, model_inputs
 
 
 def _frame(seed):

@@ -5,7 +5,7 @@ import torch
 from update_fixtures import answer_samples, response_logprob
 
 from vagen.config import load_config
-from vagen.rollout import ChatEncoder
+from vagen.episode import ChatEncoder
 from vagen.train import make_engine
 from vagen.update import annotate, compute_advantages, ppo_update
 

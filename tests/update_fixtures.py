@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vagen.rollout import ChatEncoder, Episode, Turn
+from vagen.episode import ChatEncoder, Episode, Turn
 from vagen.trajectory import episode_to_sample
 
 PROMPT = "Which way? Answer Left or Right."

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -25,10 +26,18 @@ import numpy as np
 REFERENCE_POLICIES = ("random", "solver")
 
 
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate."""
+    if n == 0:
+        return 0.0, 0.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def summarize(records: list[dict]) -> dict:
     """Success rate with its 95% interval, mean return, turns, actions, format and validity rates."""
-    from vagen.rollout import wilson_interval
-
     n = len(records)
 
     def mean(key):
@@ -106,24 +115,26 @@ def play_reference(cfg, seed: int, policy: str) -> dict | None:
 
 
 def _gather(items: list, dist) -> list:
-    import torch
-
-    if dist is None or dist.world_size == 1 or not torch.distributed.is_initialized():
+    """Every rank's items, in rank order."""
+    if dist is None or not dist.active:
         return items
-    gathered: list = [None] * dist.world_size
-    torch.distributed.all_gather_object(gathered, items)
-    return [x for part in gathered for x in part]
+    from vagen.distributed import gather_objects
+
+    return [x for part in gather_objects(items) for x in part]
 
 
 def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0, dist=None,
-             with_baselines: bool = True, desc: str | None = None) -> dict:
+             with_baselines: bool = True, desc: str | None = None, decoder=None) -> dict:
     """Play `episodes` held-out episodes (split across ranks), write results and videos, return
     the model's summary (and the reference rows under "reference"). A sampled evaluation
     (`eval.do_sample`) draws from `eval.sample_seed` + rank: the same checkpoint on the same number
     of ranks plays the same episodes, and the caller's random state is left as it was. With `desc`,
-    a progress bar of that name counts this rank's episodes as they end."""
-    from vagen.rollout import eval_seeds, make_env, own_draws, rollout
-    from vagen.run import progress_bar
+    a progress bar of that name counts this rank's episodes as they end. `decoder`: the engine to decode
+    with (default: `rollout.backend` over `model`)."""
+    from vagen.console import progress_bar
+    from vagen.decoding import own_draws
+    from vagen.episode import eval_seeds
+    from vagen.rollout import make_env, rollout
 
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     seeds = eval_seeds(episodes)
@@ -135,9 +146,9 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
     was_training = model.training
     model.eval()
     bar = progress_bar(len(mine), desc, "episode")
-    with own_draws(cfg.eval.sample_seed + rank):
+    with own_draws(cfg.eval.sample_seed + rank, dist.device if dist is not None else None):
         played, _ = rollout(model, encoder, cfg, mine, group_size=1, do_sample=cfg.eval.do_sample, envs=envs,
-                            progress=bar)
+                            progress=bar, decoder=decoder, sample_seed=cfg.eval.sample_seed + rank)
     if bar is not None:
         bar.close()
     model.train(was_training)
@@ -275,22 +286,15 @@ def main(argv=None) -> int:
 
     cfg = load_config_or_exit(args.config, args.overrides)
     checkpoint = resolve_checkpoint(args.checkpoint)
-    import torch
-
+    from vagen.distributed import init_distributed
+    from vagen.episode import ChatEncoder
     from vagen.models import load_policy
-    from vagen.rollout import ChatEncoder
-    from vagen.run import Dist, cpu_threads
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
-    if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cpu":
-        torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    dist = Dist(rank, world, int(os.environ.get("LOCAL_RANK", "0")), device)
-    model, processor = load_policy(checkpoint, cfg.model.dtype)
-    model.to(device)
+    dist = init_distributed(need_group=False)  # the start training uses: the rank's device, threads, group
+    rank = dist.rank
+    # the image bounds of the config, as training applies them
+    model, processor = load_policy(checkpoint, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)
+    model.to(dist.device)
     if args.out:
         out = Path(args.out)
     elif args.checkpoint.startswith("assets:"):  # never into the repository's assets
@@ -312,6 +316,6 @@ if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.path.insert(0, os.path.dirname(here))
-    from vagen.run import leave_process_group
+    from vagen.distributed import leave_process_group
 
     raise SystemExit(leave_process_group(main()))

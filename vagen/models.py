@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import torch._dynamo  # noqa: F401  (see below)
 from torch import nn
 
 from vagen.config import BUILTIN_MODELS
+from vagen.distributed import partitioned_over_ranks
 
 # torch._dynamo loads Triton, whose LLVM crashes the process (segfault) when Mesa's LLVM is already
 # loaded by an EGL context, i.e. after a MuJoCo frame was rendered. Loading it first is safe.
@@ -419,8 +421,10 @@ def matmul_patch_embedding(model: nn.Module) -> bool:
     return True
 
 
-def load_policy(path: Path, dtype: str = "float32"):
-    """(model, processor) for a checkpoint directory; the processor of a text model is its tokenizer."""
+def load_policy(path: Path, dtype: str = "float32", min_pixels: int | None = None, max_pixels: int | None = None):
+    """(model, processor) for a checkpoint directory; the processor of a text model is its tokenizer.
+    `min_pixels` / `max_pixels` (`model.min_pixels` / `model.max_pixels`) replace the image
+    processor's own bounds, for training and evaluation alike."""
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
@@ -429,6 +433,7 @@ def load_policy(path: Path, dtype: str = "float32"):
         center_image_tokens(model)
         matmul_patch_embedding(model)
         processor = AutoProcessor.from_pretrained(path)
+        set_pixel_bounds(processor, min_pixels, max_pixels)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
         processor = AutoTokenizer.from_pretrained(path)
@@ -442,6 +447,123 @@ def tokenizer_of(processor):
 def backbone_of(model: nn.Module) -> nn.Module:
     """The transformer under the language-model head (returns hidden states, no logits)."""
     return model.model
+
+
+# -- running models ----------------------------------------------------------------------------------
+
+def rope_positions(model, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, image_pad_id) -> torch.Tensor:
+    """M-RoPE position ids [3, L] of one unpadded sequence from the model's rope-index function."""
+    if image_grid_thw is None or image_pad_id is None:
+        return torch.arange(input_ids.shape[0]).expand(3, -1).clone()
+    inner = model.model
+    ids = input_ids[None]
+    mm_types = (ids == image_pad_id).int()
+    positions, _ = inner.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=image_grid_thw)
+    return positions[:, 0].cpu()
+
+
+def generated_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions t [K] whose next token t + 1 is generated in some row of `loss_mask` [B, L]: the
+    only positions whose logits training reads."""
+    return loss_mask[:, 1:].any(0).nonzero().squeeze(-1)
+
+
+MIN_SHARED_PREFIX = 8  # below this the second call costs more than the shared prefix saves
+
+
+def shared_prefix_length(input_ids: torch.Tensor, lengths: torch.Tensor, stop_ids: tuple[int, ...] = (),
+                         limit: int | None = None) -> int:
+    """Length of the token prefix that all rows of `input_ids` [B, L] share, kept shorter than every
+    row (`lengths` [B]), than `limit`, and ending before the first of `stop_ids` (image tokens stay
+    with their rows: the vision tower runs once over all of a batch's images)."""
+    same = (input_ids == input_ids[:1]).all(0)
+    if stop_ids:
+        same &= ~torch.isin(input_ids[0], torch.tensor(stop_ids, device=input_ids.device))
+    shared = int(same.long().cumprod(0).sum())
+    return max(0, min(shared, int(lengths.min()) - 1, limit if limit is not None else shared))
+
+
+@functools.cache
+def cache_argument(module_type: type) -> str:
+    """The keyword of the key/value cache: transformers renamed `past_key_values` to `cache`."""
+    return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
+
+
+def _uses_gradient_checkpointing(module) -> bool:
+    """Training with gradient checkpointing: transformers then refuses to build a key/value cache."""
+    flag = "is_activation_checkpointing" if hasattr(type(module), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(module.training and getattr(module, flag, False))
+
+
+def forward_shared_prefix(model, inputs: dict[str, torch.Tensor], logits_to_keep: torch.Tensor | None = None,
+                          final_hidden: bool = False):
+    """`model(**inputs)` on a right-padded batch, with the prefix that all rows share computed once.
+
+    Training sequences open with the same system prompt (156 of ~340 tokens for FrozenLake), so the
+    prefix runs at batch size 1, its keys and values are repeated for every row, and the rows run from
+    the first token where they differ; gradients flow through the repeated cache into the prefix.
+    No attention mask is passed: attention is causal and padding is on the right, so real tokens
+    never see it (outputs at padding positions are meaningless, as they were with the mask).
+    With gradient checkpointing in training there is no cache to share, and the batch runs whole.
+
+    `model` is a causal LM (or its DeepSpeed engine) when `logits_to_keep` is given: 1-D positions,
+    returns `.logits` at them [B, K, V]; or with `final_hidden`: returns the hidden states the LM head
+    reads [B, L, H] (the head itself does not run). Otherwise `model` is a backbone: returns its last
+    hidden state [B, L, H].
+    """
+    module = getattr(model, "module", model)  # a DeepSpeed engine forwards to .module
+    if final_hidden:
+        assert logits_to_keep is None, "final_hidden returns hidden states, not logits"
+        # The head computes no logits, and the backbone's output is caught on its way to the head:
+        # `output_hidden_states` would keep every layer's hidden states alive until the call returns.
+        extra = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)}
+        with _backbone_outputs(module) as caught:
+            return _forward_shared_prefix(model, module, inputs, None, extra, lambda out: caught.pop())
+    extra = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+    return _forward_shared_prefix(model, module, inputs, logits_to_keep, extra, lambda out: out.last_hidden_state)
+
+
+@contextlib.contextmanager
+def _backbone_outputs(module):
+    """Inside, each forward of `module`'s backbone leaves its last hidden state in the yielded list."""
+    caught: list[torch.Tensor] = []
+    handle = backbone_of(module).register_forward_hook(lambda _m, _a, out: caught.append(out.last_hidden_state))
+    try:
+        yield caught
+    finally:
+        handle.remove()
+
+
+def _forward_shared_prefix(model, module, inputs, logits_to_keep, extra, hidden_of):
+    config = module.config
+    stop_ids = tuple(getattr(config, name) for name in ("vision_start_token_id", "image_token_id", "video_token_id")
+                     if getattr(config, name, None) is not None)
+
+    input_ids, position_ids = inputs["input_ids"], inputs.get("position_ids")
+    batch_size, width = input_ids.shape
+    prefix = 0
+    if position_ids is not None:  # without them the model derives positions from the attention mask
+        mask = inputs.get("attention_mask")
+        lengths = mask.sum(1) if mask is not None else torch.full((batch_size,), width)
+        inputs = {k: v for k, v in inputs.items() if k != "attention_mask"}
+        limit = int(logits_to_keep.min()) if logits_to_keep is not None and logits_to_keep.numel() else None
+        if batch_size > 1 and not _uses_gradient_checkpointing(module) and not partitioned_over_ranks(module):
+            prefix = shared_prefix_length(input_ids, lengths, stop_ids, limit)
+    if prefix < MIN_SHARED_PREFIX:
+        out = model(**inputs, use_cache=False, **extra)
+        return out.logits if logits_to_keep is not None else hidden_of(out)
+    head = {"input_ids": input_ids[:1, :prefix], "position_ids": position_ids[..., :1, :prefix]}
+    head.update({"logits_to_keep": 1} if logits_to_keep is not None else extra)
+    first = model(**head, use_cache=True)
+    first_hidden = hidden_of(first) if logits_to_keep is None else None
+    cache = getattr(first, "cache", None) or first.past_key_values
+    cache.batch_repeat_interleave(batch_size)
+    rest = dict(inputs, input_ids=input_ids[:, prefix:], position_ids=position_ids[..., prefix:])
+    rest.update({"logits_to_keep": logits_to_keep - prefix} if logits_to_keep is not None else extra)
+    out = model(**rest, use_cache=False, **{cache_argument(type(module)): cache})
+    if logits_to_keep is not None:
+        return out.logits
+    return torch.cat([first_hidden.expand(batch_size, -1, -1), hidden_of(out)], dim=1)
 
 
 class ValueModel(nn.Module):
@@ -461,8 +583,6 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, **inputs) -> torch.Tensor:
-        from vagen.trajectory import forward_shared_prefix
-
         hidden = forward_shared_prefix(self.backbone, inputs)
         values = self.value_head(hidden[:, :-1].to(self.value_head.weight.dtype)).squeeze(-1)
         return torch.nn.functional.pad(values, (1, 0))
@@ -493,7 +613,7 @@ class ValueModel(nn.Module):
 
 
 def set_pixel_bounds(processor, min_pixels: int | None, max_pixels: int | None) -> None:
-    """Override the image processor's pixel bounds (fewer pixels: fewer image tokens)."""
+    """Override the image processor's pixel bounds (fewer pixels: fewer image tokens); None keeps one."""
     image_processor = getattr(processor, "image_processor", None)
     if image_processor is None:
         return

@@ -2,7 +2,7 @@
 `vagen.warmstart.sft`; see its help)."""
 
 if __name__ == "__main__":
-    from vagen.run import leave_process_group
+    from vagen.distributed import leave_process_group
     from vagen.warmstart.sft import main
 
     raise SystemExit(leave_process_group(main()))

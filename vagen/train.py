@@ -5,7 +5,8 @@
 
 Reads top to bottom like the algorithm: config → environments → policy and critic → DeepSpeed
 engines, then per iteration: rollout → filter groups → annotate (old log-probs, values) →
-advantages → PPO update → log → evaluate and save. This is the only module that touches DeepSpeed.
+advantages → PPO update → log → evaluate and save. This is the only module that creates DeepSpeed
+engines.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 
 def parse_args(argv=None):
@@ -26,7 +28,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from vagen.config import ConfigError, check_training, kept_groups, load_config_or_exit
+    from vagen.config import ConfigError, check_training, load_config_or_exit
 
     cfg = load_config_or_exit(args.config, args.overrides)  # fails fast, before torch loads
     try:
@@ -34,71 +36,34 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    from vagen.distributed import init_distributed
 
     dist = init_distributed()
-    for key in ("rollout.env_groups", "train.mini_batch_size"):
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value % dist.world_size:
-            raise SystemExit(f"config error: {key}={value} must be divisible by the {dist.world_size} ranks "
-                             f"(each rank plays and trains an equal share); use a multiple of {dist.world_size}")
-    kept = kept_groups(cfg)
-    if kept < dist.world_size:
-        raise SystemExit(f"config error: algo.filter_keep_ratio={cfg.algo.filter_keep_ratio} keeps {kept} of "
-                         f"rollout.env_groups={cfg.rollout.env_groups} level groups, fewer than the {dist.world_size} "
-                         f"ranks that train them; raise rollout.env_groups or algo.filter_keep_ratio so that at least "
-                         f"{dist.world_size} groups are kept")
+    check_ranks(cfg, dist.world_size)
     import torch
 
     from vagen import core
-    from vagen.models import ValueModel, base_checkpoint, load_policy, set_pixel_bounds
-    from vagen.rollout import ChatEncoder, make_env, rollout, rollout_metrics, train_seeds
+    from vagen.console import Progress
+    from vagen.rollout import make_decoder, make_env
     from vagen.run import RunDir, reduce_metrics
     from vagen.state_reward import state_rewarder
-    from vagen.trajectory import episode_to_sample
-    from vagen.update import annotate, batch_indicators, compute_advantages, filter_groups, ppo_update
+    from vagen.update import annotate, compute_advantages, ppo_update
 
     torch.manual_seed(cfg.train.seed + dist.rank)
     run = RunDir.create(cfg, dist)
     is_main_process = dist.rank == 0
-
-    # -- policy, critic, reference, engines ---------------------------------------------------------
-    path = base_checkpoint(cfg.model)  # trained as given: a warm start is built beforehand (python -m vagen.sft)
-    if is_main_process:
-        run.announce(cfg, path)
-    actor, processor = load_policy(path, cfg.model.dtype)
-    # Non-reentrant checkpointing: gradients reach the weights even where no input requires grad.
-    checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    if cfg.model.gradient_checkpointing:
-        actor.gradient_checkpointing_enable(**checkpointing)
-    encoder = ChatEncoder(processor)
-    if cfg.model.min_pixels or cfg.model.max_pixels:
-        set_pixel_bounds(processor, cfg.model.min_pixels, cfg.model.max_pixels)
-    use_critic = cfg.algo.adv_estimator in ("gae", "turn_gae")
-    critic = None
-    if use_critic:
-        critic_init, _ = load_policy(base_checkpoint(cfg.model, cfg.model.critic_path) if cfg.model.critic_path else path,
-                                     cfg.model.dtype)
-        if cfg.model.gradient_checkpointing:
-            critic_init.gradient_checkpointing_enable(**checkpointing)
-        critic = ValueModel(critic_init)
-    reference = None
-    if cfg.algo.kl_coef > 0:
-        reference, _ = load_policy(path, cfg.model.dtype)
-        reference.eval().requires_grad_(False).to(dist.device)
-    actor_engine = make_engine(actor, cfg, cfg.train.actor_lr, dist)
-    critic_engine = make_engine(critic, cfg, cfg.train.critic_lr, dist) if critic is not None else None
+    models = build_models(cfg, dist, run, is_main_process)
     monitor = core.CollapseMonitor()
     rewarder = state_rewarder(cfg, dist)
     # What a resumed run must restore besides the engines (the state reward's recent descriptions).
     tracked = {"state_reward": rewarder.tracker} if rewarder is not None else {}
-    start = run.maybe_resume(cfg, actor_engine, critic_engine, monitor, tracked)
+    start = run.maybe_resume(cfg, models.actor, models.critic, monitor, tracked)
+    decoder = make_decoder(cfg, models.actor.module, models.encoder)
     generator = torch.Generator()
-    groups_per_rank = cfg.rollout.env_groups // dist.world_size
     # Environments live for the whole run (reset with new seeds each iteration): a MuJoCo renderer
     # costs ~0.1 s to create and holds a GL context.
-    envs = [make_env(cfg.env) for _ in range(groups_per_rank * cfg.rollout.group_size)]
-    progress = run.progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
+    envs = [make_env(cfg.env) for _ in range(cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size)]
+    progress = Progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
     bad_steps_in_a_row, return_code = 0, 0
 
     for it in range(start, cfg.train.iterations):
@@ -107,67 +72,41 @@ def main(argv=None) -> int:
         # uninterrupted one would.
         torch.manual_seed((cfg.train.seed * 1_000_003 + it) * 1_009 + dist.rank)
         generator.manual_seed(cfg.train.seed * 1_000_003 + it)
-        # -- rollout: this rank plays its share of the iteration's level seeds -------------------------
-        seeds = train_seeds(it, cfg.rollout.env_groups, cfg.train.seed)
-        my_seeds = seeds[dist.rank * groups_per_rank : (dist.rank + 1) * groups_per_rank]
-        actor_engine.module.eval()
-        episodes, stats = rollout(actor_engine.module, encoder, cfg, my_seeds, cfg.rollout.group_size, envs=envs)
-        if rewarder is not None:  # before any use of the rewards
-            stats.update(rewarder(episodes))
-        stats.update(rollout_metrics(episodes))
-        for ep in episodes:  # an environment that raised ended only its own episode
-            if ep.error is not None:
-                print(f"[env error] rank {dist.rank}, iteration {it}, {ep.env_name} level {ep.seed}: {ep.error}",
-                      file=sys.stderr, flush=True)
-        played = [ep for ep in episodes if ep.turns]
-        samples = [episode_to_sample(ep, encoder, actor_engine.module) for ep in played]
-
-        # -- filter groups by in-group reward std over all ranks (StarPO-S), kept groups shared out -------
-        scores = torch.tensor([s.score for s in samples])
-        group_ids = torch.tensor([s.group_id for s in samples])
-        samples, filter_stats = filter_groups(samples, cfg, dist.rank, dist.world_size)
-        stats.update({f"rollout/filter_{k}": v for k, v in filter_stats.items()})
-        stats["update/tokens"] = float(sum(s.length for s in samples))  # trajectory tokens this rank trains on
+        played, stats = play(cfg, it, dist, models, decoder, envs, rewarder)
+        samples, filter_stats = kept_samples(cfg, dist, models, played)
+        stats.update(filter_stats)
 
         # -- old log-probs, values, advantages, token selection -------------------------------------------
         t0 = time.perf_counter()
-        actor_engine.module.train()
-        annotate(samples, actor_engine, critic_engine, reference, cfg, encoder.pad_id, dist.device)
+        models.actor.module.train()
+        annotate(samples, models.actor, models.critic, models.reference, cfg, models.encoder.pad_id, dist.device,
+                 suppress_ids=SUPPRESS_TMP)
         stats.update(compute_advantages(samples, cfg))
         stats["timing/annotate"] = time.perf_counter() - t0
 
         # -- PPO update ------------------------------------------------------------------------------------
         t0 = time.perf_counter()
-        update_actor = it >= cfg.train.critic_warmup
-        update_stats = ppo_update(actor_engine, critic_engine, samples, cfg, encoder.pad_id, dist.device,
-                                  dist.world_size, generator, update_actor=update_actor,
-                                  bad_steps_in_a_row=bad_steps_in_a_row)
-        bad_steps_in_a_row = int(update_stats["update/bad_steps_in_a_row"])  # the same on every rank
-        stats.update(update_stats)
+        stats.update(ppo_update(models.actor, models.critic, samples, cfg, models.encoder.pad_id, dist.device,
+                                dist.world_size, generator, update_actor=it >= cfg.train.critic_warmup,
+                                bad_steps_in_a_row=bad_steps_in_a_row, suppress_ids=SUPPRESS_TMP))
+        bad_steps_in_a_row = int(stats["update/bad_steps_in_a_row"])  # the same on every rank
         stats["timing/update"] = time.perf_counter() - t0
+        stats.update(sync_decoder(decoder, models.actor))
 
-        # -- collapse indicators -------------------------------------------------------------------------
-        stats.update(batch_indicators(scores, group_ids, samples, played))
+        # -- collapse indicators, logging, evaluation, checkpoints ------------------------------------------
+        stats.update(indicators(samples, played))
         stats = reduce_metrics(stats, dist)
-        watched = {"grad_norm": "actor/grad_norm", "entropy_mean": "actor/entropy_mean",
-                   "reward_std_in_group": "rollout/in_group_reward_std", "format_ok": "rollout/format_ok"}
-        warnings = monitor.update({k: stats[v] for k, v in watched.items() if v in stats})
+        warnings = monitor.update({k: stats[v] for k, v in WATCHED.items() if v in stats})
         stats["timing/iteration"] = time.perf_counter() - t_iter
-        stats.update(run.maybe_evaluate(it, cfg, actor_engine.module, encoder))
-
+        stats.update(run.maybe_evaluate(it, cfg, models.actor.module, models.encoder, decoder))
         if is_main_process:
             run.log(it, stats, warnings)
             progress.update(it, stats)
         # Steps that keep failing (a non-finite loss or gradient) end the run, with a checkpoint to look into.
         stop = bad_steps_in_a_row >= cfg.train.max_bad_steps
-        run.maybe_save(it, cfg, actor_engine, critic_engine, processor, monitor, force=stop, tracked=tracked)
+        run.maybe_save(it, cfg, models.actor, models.critic, models.processor, monitor, force=stop, tracked=tracked)
         if stop:
-            if is_main_process:
-                print(f"stopping at iteration {it}: the last {bad_steps_in_a_row} optimizer steps were skipped for a "
-                      f"non-finite loss or gradient (train.max_bad_steps={cfg.train.max_bad_steps}); the weights are "
-                      f"those before them, saved in {run.path / 'checkpoints' / f'step_{it + 1}'}; see the "
-                      f"actor/skipped_steps and critic/skipped_steps metrics in {run.path / 'metrics.jsonl'}",
-                      file=sys.stderr, flush=True)
+            report_bad_steps(cfg, it, bad_steps_in_a_row, run, is_main_process)
             return_code = 1
             break
 
@@ -179,58 +118,136 @@ def main(argv=None) -> int:
     return return_code
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+SUPPRESS_TMP = ()
+WATCHED = {"grad_norm": "actor/grad_norm", "entropy_mean": "actor/entropy_mean",
+           "reward_std_in_group": "rollout/in_group_reward_std", "format_ok": "rollout/format_ok"}
 
 
-def _unlink_shm_workspace(rank: int) -> None:
-    """Remove the name of this rank's shared-memory all-reduce workspace once every rank has mapped it.
+def check_ranks(cfg, world_size: int) -> None:
+    """Refuse, before any work, batch sizes that do not share out evenly over the ranks."""
+    from vagen.config import kept_groups
 
-    DeepSpeed's CPU communication op creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
-    (66 MB) when all ranks share a machine and never unlinks it, so each run used to leave that much
-    memory behind until reboot. The mappings stay valid after the unlink; the memory goes with the
-    last process that maps it, even one that is killed."""
-    import torch.distributed as torch_dist
+    for key in ("rollout.env_groups", "train.mini_batch_size"):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value % world_size:
+            raise SystemExit(f"config error: {key}={value} must be divisible by the {world_size} ranks "
+                             f"(each rank plays and trains an equal share); use a multiple of {world_size}")
+    kept = kept_groups(cfg)
+    if kept < world_size:
+        raise SystemExit(f"config error: algo.filter_keep_ratio={cfg.algo.filter_keep_ratio} keeps {kept} of "
+                         f"rollout.env_groups={cfg.rollout.env_groups} level groups, fewer than the {world_size} "
+                         f"ranks that train them; raise rollout.env_groups or algo.filter_keep_ratio so that at least "
+                         f"{world_size} groups are kept")
 
-    torch_dist.barrier()  # every rank has opened every other rank's workspace by now
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
-    try:
-        os.unlink(os.path.join("/dev/shm", name))
-    except FileNotFoundError:  # the op was not built, or the ranks span machines
-        pass
+
+@dataclass
+class Models:
+    actor: object  # DeepSpeed engine of the policy
+    critic: object | None  # DeepSpeed engine of the value model (gae, turn_gae)
+    reference: object | None  # frozen policy for the KL term (algo.kl_coef > 0)
+    processor: object
+    encoder: object  # vagen.episode.ChatEncoder
 
 
-def init_distributed():
-    """Join the process group the DeepSpeed launcher describes (or a group of one under plain
-    `python`): gloo and `vagen.run.cpu_threads` threads each on CPU, NCCL with one GPU per rank on GPUs."""
+def build_models(cfg, dist, run, is_main_process: bool) -> Models:
+    """Policy, critic and reference from `model.path` (trained as given: a warm start is built beforehand,
+    python -m vagen.sft), wrapped in their DeepSpeed engines."""
+    from vagen.episode import ChatEncoder
+    from vagen.models import base_checkpoint, load_policy
+
+    path = base_checkpoint(cfg.model)
+    if is_main_process:
+        run.announce(cfg, path)
+    actor, processor = load_policy(path, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)
+    if cfg.model.gradient_checkpointing:
+        # Non-reentrant checkpointing: gradients reach the weights even where no input requires grad.
+        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    encoder = ChatEncoder(processor)
+    critic = build_critic(cfg, path) if cfg.algo.adv_estimator in ("gae", "turn_gae") else None
+    reference = None
+    if cfg.algo.kl_coef > 0:
+        reference, _ = load_policy(path, cfg.model.dtype)
+        reference.eval().requires_grad_(False).to(dist.device)
+    actor_engine = make_engine(actor, cfg, cfg.train.actor_lr, dist)
+    critic_engine = make_engine(critic, cfg, cfg.train.critic_lr, dist) if critic is not None else None
+    return Models(actor_engine, critic_engine, reference, processor, encoder)
+
+
+def build_critic(cfg, policy_path):
+    """The value model: the policy's architecture from `model.critic_path` (default: the policy's weights)
+    with a zero-initialised value head."""
+    from vagen.models import ValueModel, base_checkpoint, load_policy
+
+    path = base_checkpoint(cfg.model, cfg.model.critic_path) if cfg.model.critic_path else policy_path
+    backbone, _ = load_policy(path, cfg.model.dtype)
+    if cfg.model.gradient_checkpointing:
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return ValueModel(backbone)
+
+
+def play(cfg, it: int, dist, models: Models, decoder, envs: list, rewarder):
+    """This rank's share of iteration `it`'s level seeds, played; the state reward applied (before any use
+    of the rewards) and the rollout's metrics. Returns the episodes with at least one turn."""
+    from vagen.episode import train_seeds
+    from vagen.rollout import rollout, rollout_metrics
+
+    per_rank = cfg.rollout.env_groups // dist.world_size
+    seeds = train_seeds(it, cfg.rollout.env_groups, cfg.train.seed)[dist.rank * per_rank : (dist.rank + 1) * per_rank]
+    models.actor.module.eval()
+    episodes, stats = rollout(models.actor.module, models.encoder, cfg, seeds, cfg.rollout.group_size, envs=envs,
+                              decoder=decoder, sample_seed=(cfg.train.seed * 1_000_003 + it) * 1_009 + dist.rank)
+    if rewarder is not None:
+        stats.update(rewarder(episodes))
+    stats.update(rollout_metrics(episodes))
+    for ep in episodes:  # an environment that raised ended only its own episode
+        if ep.error is not None:
+            print(f"[env error] rank {dist.rank}, iteration {it}, {ep.env_name} level {ep.seed}: {ep.error}",
+                  file=sys.stderr, flush=True)
+    return [ep for ep in episodes if ep.turns], stats
+
+
+def kept_samples(cfg, dist, models: Models, played: list):
+    """StarPO-S over all ranks (`vagen.update.plan_groups`), then the kept groups' episodes as training
+    samples, shared out so that ranks hold equal numbers of groups. Only kept episodes are converted."""
+    from vagen.trajectory import episode_to_sample
+    from vagen.update import plan_groups, share_groups
+
+    plan = plan_groups([ep.total_reward for ep in played], [ep.group_id for ep in played], cfg, dist.rank,
+                       dist.world_size)
+    samples = [episode_to_sample(ep, models.encoder, models.actor.module) for ep in played
+               if plan.keeps(dist.rank, ep.group_id)]
+    samples = share_groups(samples, plan, dist.rank, dist.world_size)
+    stats = {f"rollout/filter_{k}": v for k, v in plan.stats.items()}
+    stats["update/tokens"] = float(sum(s.length for s in samples))  # trajectory tokens this rank trains on
+    return samples, stats
+
+
+def indicators(samples: list, played: list) -> dict[str, float]:
+    """Collapse indicators over every played episode (before filtering) and the trained samples."""
     import torch
 
-    from vagen.run import Dist, cpu_threads
+    from vagen.update import batch_indicators
 
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        # Two processes on two cores with default threading measured 4.6x slower than one thread each.
-        torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    import deepspeed
+    scores = torch.tensor([ep.total_reward for ep in played])
+    group_ids = torch.tensor([ep.group_id for ep in played])
+    return batch_indicators(scores, group_ids, samples, played)
 
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
-    if not on_gpu:
-        _unlink_shm_workspace(rank)
-    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)
-    return Dist(rank, world, local_rank, device)
+
+def sync_decoder(decoder, actor_engine) -> dict[str, float]:
+    """Engines with weights of their own (vLLM) load the updated actor's; `timing/weight_sync` is logged."""
+    if not hasattr(decoder, "sync_weights"):
+        return {}
+    return {"timing/weight_sync": float(decoder.sync_weights(actor_engine.module))}
+
+
+def report_bad_steps(cfg, it: int, bad_steps_in_a_row: int, run, is_main_process: bool) -> None:
+    if is_main_process:
+        print(f"stopping at iteration {it}: the last {bad_steps_in_a_row} optimizer steps were skipped for a "
+              f"non-finite loss or gradient (train.max_bad_steps={cfg.train.max_bad_steps}); the weights are "
+              f"those before them, saved in {run.path / 'checkpoints' / f'step_{it + 1}'}; see the "
+              f"actor/skipped_steps and critic/skipped_steps metrics in {run.path / 'metrics.jsonl'}",
+              file=sys.stderr, flush=True)
 
 
 def deepspeed_config(cfg, lr: float, world_size: int, on_gpu: bool) -> dict:
@@ -280,6 +297,6 @@ if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.path.insert(0, os.path.dirname(here))
-    from vagen.run import leave_process_group
+    from vagen.distributed import leave_process_group
 
     raise SystemExit(leave_process_group(main()))

@@ -18,13 +18,12 @@ sample under the same names and padded the same way by `collate`.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass, field
 
 import torch
 
-from vagen.rollout import ChatEncoder, Episode
+from vagen.episode import ChatEncoder, Episode
+from vagen.models import rope_positions
 
 TOKEN_FIELDS = ("loss_mask", "sampled_mask", "turn_end_mask", "answer_mask", "think_mask", "token_rewards")
 
@@ -79,17 +78,6 @@ def span_token_mask(offsets: list[int], span: tuple[int, int] | None) -> list[in
     return mask
 
 
-def rope_positions(model, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, image_pad_id) -> torch.Tensor:
-    """M-RoPE position ids [3, L] of one unpadded sequence from the model's rope-index function."""
-    if image_grid_thw is None or image_pad_id is None:
-        return torch.arange(input_ids.shape[0]).expand(3, -1).clone()
-    inner = model.model
-    ids = input_ids[None]
-    mm_types = (ids == image_pad_id).int()
-    positions, _ = inner.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=image_grid_thw)
-    return positions[:, 0].cpu()
-
-
 def episode_to_sample(episode: Episode, encoder: ChatEncoder, model=None) -> Sample:
     ids = torch.tensor(episode.input_ids, dtype=torch.long)
     L = ids.shape[0]
@@ -115,9 +103,11 @@ def episode_to_sample(episode: Episode, encoder: ChatEncoder, model=None) -> Sam
                   score=episode.total_reward, seed=episode.seed, **masks)
 
 
-def collate(samples: list[Sample], pad_id: int, fields: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def collate(samples: list[Sample], pad_id: int, fields: tuple[str, ...] = (),
+            with_images: bool = True) -> dict[str, torch.Tensor]:
     """Right-padded batch [B, Lmax] of the samples' model inputs, masks and the `fields` in
-    `sample.extra` (zeros at padding)."""
+    `sample.extra` (zeros at padding); `with_images=False` leaves the pixel values out (for callers
+    that read only masks and per-token values)."""
     B, width = len(samples), max(s.length for s in samples)
     batch = {
         "input_ids": torch.full((B, width), pad_id, dtype=torch.long),
@@ -139,7 +129,7 @@ def collate(samples: list[Sample], pad_id: int, fields: tuple[str, ...] = ()) ->
             batch[name][row, :n] = getattr(s, name)
         for name in fields:
             batch[name][row, :n] = s.extra[name]
-    pixel_values = [s.pixel_values for s in samples if s.pixel_values is not None]
+    pixel_values = [s.pixel_values for s in samples if s.pixel_values is not None] if with_images else []
     if pixel_values:
         batch["pixel_values"] = torch.cat(pixel_values)
         batch["image_grid_thw"] = torch.cat([s.image_grid_thw for s in samples if s.image_grid_thw is not None])
@@ -151,106 +141,3 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "
 
 def model_inputs(batch: dict[str, torch.Tensor], device=None) -> dict[str, torch.Tensor]:
     return {k: (v.to(device) if device is not None else v) for k, v in batch.items() if k in MODEL_INPUTS}
-
-
-def generated_positions(loss_mask: torch.Tensor) -> torch.Tensor:
-    """Positions t [K] whose next token t + 1 is generated in some row of `loss_mask` [B, L]: the
-    only positions whose logits training reads."""
-    return loss_mask[:, 1:].any(0).nonzero().squeeze(-1)
-
-
-MIN_SHARED_PREFIX = 8  # below this the second call costs more than the shared prefix saves
-
-
-def shared_prefix_length(input_ids: torch.Tensor, lengths: torch.Tensor, stop_ids: tuple[int, ...] = (),
-                         limit: int | None = None) -> int:
-    """Length of the token prefix that all rows of `input_ids` [B, L] share, kept shorter than every
-    row (`lengths` [B]), than `limit`, and ending before the first of `stop_ids` (image tokens stay
-    with their rows: the vision tower runs once over all of a batch's images)."""
-    same = (input_ids == input_ids[:1]).all(0)
-    if stop_ids:
-        same &= ~torch.isin(input_ids[0], torch.tensor(stop_ids, device=input_ids.device))
-    shared = int(same.long().cumprod(0).sum())
-    return max(0, min(shared, int(lengths.min()) - 1, limit if limit is not None else shared))
-
-
-@functools.cache
-def cache_argument(module_type: type) -> str:
-    """The keyword of the key/value cache: transformers renamed `past_key_values` to `cache`."""
-    return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
-
-
-def _uses_gradient_checkpointing(module) -> bool:
-    """Training with gradient checkpointing: transformers then refuses to build a key/value cache."""
-    flag = "is_activation_checkpointing" if hasattr(type(module), "is_activation_checkpointing") else "is_gradient_checkpointing"
-    return bool(module.training and getattr(module, flag, False))
-
-
-def _partitioned_over_ranks(module) -> bool:
-    """ZeRO-3 over several ranks: every forward pass is collective, so a batch must take the same
-    number of passes on every rank (a shared prefix adds one, a one-row filler batch has none)."""
-    first = next(module.parameters(), None)
-    return (first is not None and hasattr(first, "ds_id") and torch.distributed.is_available()
-            and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1)
-
-
-def forward_shared_prefix(model, inputs: dict[str, torch.Tensor], logits_to_keep: torch.Tensor | None = None,
-                          final_hidden: bool = False):
-    """`model(**inputs)` on a right-padded batch, with the prefix that all rows share computed once.
-
-    Training sequences open with the same system prompt (156 of ~340 tokens for FrozenLake), so the
-    prefix runs at batch size 1, its keys and values are repeated for every row, and the rows run from
-    the first token where they differ; gradients flow through the repeated cache into the prefix.
-    No attention mask is passed: attention is causal and padding is on the right, so real tokens
-    never see it (outputs at padding positions are meaningless, as they were with the mask).
-    With gradient checkpointing in training there is no cache to share, and the batch runs whole.
-
-    `model` is a causal LM (or its DeepSpeed engine) when `logits_to_keep` is given: 1-D positions,
-    returns `.logits` at them [B, K, V]; or with `final_hidden`: returns the hidden states the LM head
-    reads [B, L, H] (the head itself does not run). Otherwise `model` is a backbone: returns its last
-    hidden state [B, L, H].
-    """
-    module = getattr(model, "module", model)  # a DeepSpeed engine forwards to .module
-    config = module.config
-    stop_ids = tuple(getattr(config, name) for name in ("vision_start_token_id", "image_token_id", "video_token_id")
-                     if getattr(config, name, None) is not None)
-    if final_hidden:
-        assert logits_to_keep is None, "final_hidden returns hidden states, not logits"
-        extra = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device),
-                 "output_hidden_states": True}
-    else:
-        extra = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
-
-    def hidden_of(out):
-        return out.hidden_states[-1] if final_hidden else out.last_hidden_state
-
-    input_ids, position_ids = inputs["input_ids"], inputs.get("position_ids")
-    batch_size, width = input_ids.shape
-    prefix = 0
-    if position_ids is not None:  # without them the model derives positions from the attention mask
-        mask = inputs.get("attention_mask")
-        lengths = mask.sum(1) if mask is not None else torch.full((batch_size,), width)
-        inputs = {k: v for k, v in inputs.items() if k != "attention_mask"}
-        limit = int(logits_to_keep.min()) if logits_to_keep is not None and logits_to_keep.numel() else None
-        if batch_size > 1 and not _uses_gradient_checkpointing(module) and not _partitioned_over_ranks(module):
-            prefix = shared_prefix_length(input_ids, lengths, stop_ids, limit)
-    if prefix < MIN_SHARED_PREFIX:
-        out = model(**inputs, use_cache=False, **extra)
-        return out.logits if logits_to_keep is not None else hidden_of(out)
-    head = {"input_ids": input_ids[:1, :prefix], "position_ids": position_ids[..., :1, :prefix]}
-    if logits_to_keep is not None:
-        head["logits_to_keep"] = 1
-    elif final_hidden:
-        head.update(extra)
-    first = model(**head, use_cache=True)
-    cache = getattr(first, "cache", None) or first.past_key_values
-    cache.batch_repeat_interleave(batch_size)
-    rest = dict(inputs, input_ids=input_ids[:, prefix:], position_ids=position_ids[..., prefix:])
-    if logits_to_keep is not None:
-        rest["logits_to_keep"] = logits_to_keep - prefix
-    elif final_hidden:
-        rest.update(extra)
-    out = model(**rest, use_cache=False, **{cache_argument(type(module)): cache})
-    if logits_to_keep is not None:
-        return out.logits
-    return torch.cat([hidden_of(first).expand(batch_size, -1, -1), hidden_of(out)], dim=1)

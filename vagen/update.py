@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 
 from vagen import core
-from vagen.trajectory import Sample, collate, forward_shared_prefix, model_inputs
+from vagen.distributed import all_reduce, gather_objects, partitioned_over_ranks
+from vagen.models import forward_shared_prefix
+from vagen.trajectory import Sample, collate, model_inputs
 
 
 def chunks(items: list, size: int) -> list[list]:
@@ -31,8 +34,11 @@ HEAD_CHUNK_FRACTION = 32
 HEAD_CHUNK_ROWS = 1024
 
 
-def _head_chunk(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+def _head_chunk(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                suppress: torch.Tensor | None):
     logits = lm_head(hidden).float()
+    if suppress is not None:
+        logits = logits.index_fill(-1, suppress, float("-inf"))
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logprobs = core.logprobs_from_logits(logits[None], targets[None])[0]
@@ -42,7 +48,7 @@ def _head_chunk(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperatur
 
 
 def head_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
-                  chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  chunk_rows: int | None = None, suppress: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities and entropies [P] of `targets` [P] under `lm_head(hidden)` [P, V], a chunk of
     rows at a time. With gradients each chunk is checkpointed: its logits are freed after the forward
     and recomputed in backward, so the full [P, V] logits never exist (151,936 vocabulary entries per
@@ -50,28 +56,28 @@ def head_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperat
     rows = hidden.shape[0]
     # Under ZeRO-3 over several ranks each call of the head gathers its weight collectively: every rank
     # runs as many chunks as the busiest (empty ones included), whatever its own number of positions.
-    lockstep = hasattr(lm_head.weight, "ds_id") and _world_size() > 1
+    lockstep = partitioned_over_ranks(lm_head)
     if rows == 0 and not lockstep:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
     size = max(1, chunk_rows or min(HEAD_CHUNK_ROWS, -(-rows // HEAD_CHUNK_FRACTION)))
     count = -(-rows // size)
     if lockstep:
-        count = int(_all_reduce(torch.tensor([count], dtype=torch.float64), "max")[0])
+        count = int(all_reduce(torch.tensor([count], dtype=torch.float64), "max")[0])
     logprobs, entropies = [], []
     for start in range(0, count * size, size):
         part = (hidden[start : start + size], targets[start : start + size])
         if torch.is_grad_enabled():
             lp, ent = torch.utils.checkpoint.checkpoint(_head_chunk, lm_head, *part, temperature, with_entropy,
-                                                        use_reentrant=False)
+                                                        suppress, use_reentrant=False)
         else:
-            lp, ent = _head_chunk(lm_head, *part, temperature, with_entropy)
+            lp, ent = _head_chunk(lm_head, *part, temperature, with_entropy, suppress)
         logprobs.append(lp)
         entropies.append(ent)
     return torch.cat(logprobs), torch.cat(entropies)
 
 
-def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
+def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool, suppress_ids=()):
     """Log-probabilities [B, L] of the generated tokens of `batch` (on the model's device) given
     their prefix, and optionally the entropy of the distribution each was drawn from. Only the
     positions of generated tokens are computed (they are all that is trained); the rest are 0.
@@ -81,8 +87,9 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, wi
     module = getattr(model, "module", model)
     hidden = forward_shared_prefix(model, model_inputs(batch), final_hidden=True)
     rows, positions = batch["loss_mask"][:, 1:].nonzero(as_tuple=True)  # position t predicts token t + 1
+    suppress = torch.tensor(list(suppress_ids), dtype=torch.long, device=hidden.device) if len(suppress_ids) else None
     lp, ent = head_logprobs(module.get_output_embeddings(), hidden[rows, positions],
-                            input_ids[rows, positions + 1], temperature, with_entropy)
+                            input_ids[rows, positions + 1], temperature, with_entropy, suppress=suppress)
     logprobs = torch.zeros(input_ids.shape, device=hidden.device)
     logprobs = logprobs.index_put((rows, positions + 1), lp)
     entropies = None
@@ -91,34 +98,13 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, wi
     return logprobs, entropies
 
 
-def _all_reduce(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """Sum (or max) over ranks. NCCL reduces CUDA tensors only: CPU values travel through the rank's GPU."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return values
-    on = values
-    if torch.distributed.get_backend() == "nccl" and values.device.type != "cuda":
-        on = values.to(torch.device("cuda", torch.cuda.current_device()))
-    torch.distributed.all_reduce(on, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
-    return on.to(values.device)
-
-
-def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    return _all_reduce(values, "sum")
-
-
-def _world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return 1
-
-
 def synced_micro_batches(samples: list, micro_batch_size: int) -> list[list[int] | None]:
     """This rank's micro-batches (indices into `samples`), padded with None to the largest count of any
     rank. Under ZeRO-3 every forward gathers parameters collectively, and under ZeRO-2 every backward
     reduces gradients, so every rank must run as many passes as the busiest; a None is a pass whose
     result is thrown away (or whose loss is multiplied by 0)."""
     micro = chunks(list(range(len(samples))), micro_batch_size)
-    most = int(_all_reduce(torch.tensor([len(micro)], dtype=torch.float64), "max")[0])
+    most = int(all_reduce(torch.tensor([len(micro)], dtype=torch.float64), "max")[0])
     if most and not samples:
         raise RuntimeError("this rank holds no trajectory while others do, so it has nothing to run its "
                            "share of the collective passes with; keep at least one level group per rank")
@@ -126,19 +112,21 @@ def synced_micro_batches(samples: list, micro_batch_size: int) -> list[list[int]
 
 
 @torch.no_grad()
-def annotate(samples: list[Sample], actor, critic, reference, cfg, pad_id: int, device) -> None:
+def annotate(samples: list[Sample], actor, critic, reference, cfg, pad_id: int, device, suppress_ids=()) -> None:
     """Store old_logprobs, entropies, values (with a critic) and ref_logprobs (with a reference) on
-    each sample's `extra`, trimmed to the sample's length."""
+    each sample's `extra`, trimmed to the sample's length. `suppress_ids`: token ids the rollout never
+    samples, left out of the log-probabilities' support (`head_logprobs`)."""
     temperature = cfg.rollout.temperature
     for indices in synced_micro_batches(samples, cfg.train.micro_batch_size):
         group = [samples[i] for i in (indices if indices is not None else [0])]
         batch = {k: v.to(device) for k, v in collate(group, pad_id).items()}
-        logprobs, entropies = token_logprobs(actor, batch, temperature, with_entropy=True)
+        logprobs, entropies = token_logprobs(actor, batch, temperature, with_entropy=True, suppress_ids=suppress_ids)
         results = {"old_logprobs": logprobs, "entropies": entropies}
         if critic is not None:
             results["old_values"] = critic(**model_inputs(batch)).float()
         if reference is not None:
-            results["ref_logprobs"], _ = token_logprobs(reference, batch, temperature, with_entropy=False)
+            results["ref_logprobs"], _ = token_logprobs(reference, batch, temperature, with_entropy=False,
+                                                        suppress_ids=suppress_ids)
         if indices is None:
             continue
         for row, sample in enumerate(group):
@@ -146,26 +134,44 @@ def annotate(samples: list[Sample], actor, critic, reference, cfg, pad_id: int, 
                 sample.extra[name] = value[row, : sample.length].cpu()
 
 
-def filter_groups(samples: list[Sample], cfg, rank: int = 0, world_size: int = 1) -> tuple[list[Sample], dict]:
+@dataclass
+class GroupPlan:
+    """Which level groups of an iteration are trained, and on which rank (`plan_groups`). Group ids are
+    global: rank * `span` + the id the group has on the rank that played it."""
+
+    destination: dict[int, int]  # global group id -> the rank that trains it
+    span: int
+    stats: dict[str, float]
+
+    def keeps(self, rank: int, group_id: int) -> bool:
+        """Whether the group `group_id` that `rank` played is trained (here or elsewhere)."""
+        return rank * self.span + group_id in self.destination
+
+
+def plan_groups(scores: list[float], group_ids: list[int], cfg, rank: int = 0, world_size: int = 1) -> GroupPlan:
     """StarPO-S over the groups of every rank: keep the groups whose rewards vary most across the whole
     iteration (not per rank), then share the kept groups out so that ranks hold equal numbers of them
-    (a rank keeps its own groups up to its share; the rest move). Group ids become global
-    (rank * groups per rank + local id), so that GRPO never mixes groups of different ranks."""
+    (a rank keeps its own groups up to its share; the rest move). Every rank computes the same plan
+    from every rank's (scores, group ids), and refuses the same way when fewer groups are kept than
+    there are ranks, so that no rank is left waiting in a collective for one that raised."""
     algo = cfg.algo
-    if world_size > 1:
-        meta: list = [None] * world_size
-        torch.distributed.all_gather_object(meta, ([s.score for s in samples], [s.group_id for s in samples]))
-    else:
-        meta = [([s.score for s in samples], [s.group_id for s in samples])]
+    meta = gather_objects((list(scores), list(group_ids)), active=world_size > 1)
     span = max(max(ids, default=-1) for _, ids in meta) + 1
-    scores = torch.tensor([x for sc, _ in meta for x in sc], dtype=torch.float64)
+    all_scores = torch.tensor([x for sc, _ in meta for x in sc], dtype=torch.float64)
     owners = [r for r, (sc, _) in enumerate(meta) for _ in sc]
-    group_ids = torch.tensor([r * span + g for r, (_, ids) in enumerate(meta) for g in ids])
-    keep, stats = core.filter_groups_by_reward_std(scores, group_ids, algo.filter_keep_ratio, algo.filter_mode)
-    kept = sorted({int(group_ids[i]) for i in keep.tolist()})
+    global_ids = torch.tensor([r * span + g for r, (_, ids) in enumerate(meta) for g in ids], dtype=torch.long)
+    keep, stats = core.filter_groups_by_reward_std(all_scores, global_ids, algo.filter_keep_ratio, algo.filter_mode)
+    kept = sorted({int(global_ids[i]) for i in keep.tolist()})
+    if world_size > 1 and len(kept) < world_size:
+        played = sorted(set(global_ids.tolist()))
+        raise RuntimeError(f"this iteration has {len(kept)} level group(s) to train (of {len(played)} played with at "
+                           f"least one turn, rollout.env_groups={cfg.rollout.env_groups}) for {world_size} ranks, so a "
+                           f"rank would have none; the others are episodes whose environment failed at reset (see the "
+                           f"[env error] lines above), or groups the reward-std filter dropped. Fix the environment, or "
+                           f"raise rollout.env_groups (or algo.filter_keep_ratio) so each rank keeps a group")
     # shares: the first (kept % world) ranks take one group more
     quota = [len(kept) // world_size + (r < len(kept) % world_size) for r in range(world_size)]
-    home = {g: owners[int((group_ids == g).nonzero()[0])] for g in kept}
+    home = {g: owners[int((global_ids == g).nonzero()[0])] for g in kept}
     stays, moving = [], []
     for r in range(world_size):
         mine = [g for g in kept if home[g] == r]
@@ -177,29 +183,26 @@ def filter_groups(samples: list[Sample], cfg, rank: int = 0, world_size: int = 1
         for g in moving[:need]:
             destination[g] = r
         moving = moving[need:]
+    return GroupPlan(destination, span, stats)
+
+
+def share_groups(samples: list[Sample], plan: GroupPlan, rank: int = 0, world_size: int = 1) -> list[Sample]:
+    """This rank's samples of the kept groups played here (their group ids made global), sent to the ranks
+    the plan says, and the ones the plan sends here; ordered by group id."""
     for sample in samples:
-        sample.group_id = rank * span + sample.group_id
-    leaving = [s for s in samples if s.group_id in destination and destination[s.group_id] != rank]
-    if world_size > 1:
-        arriving: list = [None] * world_size
-        torch.distributed.all_gather_object(arriving, leaving)
-        incoming = [s for part in arriving for s in part if destination[s.group_id] == rank]
-    else:
-        incoming = []
-    mine = [s for s in samples if destination.get(s.group_id) == rank] + incoming
+        sample.group_id = rank * plan.span + sample.group_id
+    leaving = [s for s in samples if s.group_id in plan.destination and plan.destination[s.group_id] != rank]
+    arriving = gather_objects(leaving, active=world_size > 1) if world_size > 1 else []
+    incoming = [s for part in arriving for s in part if plan.destination[s.group_id] == rank]
+    mine = [s for s in samples if plan.destination.get(s.group_id) == rank] + incoming
     mine.sort(key=lambda s: s.group_id)
-    return mine, stats
+    return mine
 
 
-def global_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """`masked_whiten` with mean and variance over the masked entries of every rank's batch, so that
-    data-parallel ranks normalise exactly as one process with the whole batch would."""
-    m = mask.to(torch.float64)
-    stats = _all_reduce_sum(torch.stack([(x * m).sum(), (x * x * m).sum(), m.sum()]).to(torch.float64))
-    count = stats[2].clamp(min=1)
-    mean = stats[0] / count
-    var = (stats[1] / count - mean * mean) * count / (count - 1).clamp(min=1)
-    return ((x - mean) * torch.rsqrt(var + eps) * mask).to(x.dtype)
+def filter_groups(samples: list[Sample], cfg, rank: int = 0, world_size: int = 1) -> tuple[list[Sample], dict]:
+    """`plan_groups` over the samples' scores, then `share_groups`: the samples this rank trains."""
+    plan = plan_groups([s.score for s in samples], [s.group_id for s in samples], cfg, rank, world_size)
+    return share_groups(samples, plan, rank, world_size), plan.stats
 
 
 def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
@@ -207,7 +210,7 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
     algo = cfg.algo
     fields = ["old_logprobs", "entropies"] + (["old_values"] if "old_values" in samples[0].extra else [])
     fields += ["ref_logprobs"] if "ref_logprobs" in samples[0].extra else []
-    batch = collate(samples, pad_id=0, fields=tuple(fields))
+    batch = collate(samples, pad_id=0, fields=tuple(fields), with_images=False)
     loss_mask, sampled_mask = batch["loss_mask"], batch["sampled_mask"]
     rewards = batch["token_rewards"]
     metrics = {}
@@ -230,7 +233,8 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
     else:
         raise ValueError(f"unknown algo.adv_estimator {algo.adv_estimator!r}; choices: turn_gae, gae, grpo")
     if algo.whiten_advantages and algo.adv_estimator != "grpo":
-        advantages = global_whiten(advantages, loss_mask)
+        # over every rank's batch, as one process with the whole batch would
+        advantages = core.masked_whiten(advantages, loss_mask, reduce=all_reduce)
     # Only tokens the policy drew get policy gradient: an appended <|im_end|> keeps its advantage (the
     # turn's value and reward sit there) but is out of adv_mask.
     adv_mask = core.select_critical_tokens(sampled_mask, batch["answer_mask"], batch["think_mask"],
@@ -262,129 +266,176 @@ def _denominators(samples: list[Sample], indices: list[int], mode: str) -> list[
     return out
 
 
+@dataclass
+class MiniBatch:
+    """One optimizer step's share of this rank: its micro-batches (indices into the samples; None is a
+    pass of loss 0 that pairs with a busier rank's collectives) and the global loss denominators."""
+
+    micro: list[list[int] | None]
+    pg_den: float  # policy gradient: adv_mask
+    sampled_den: float  # entropy and KL: sampled_mask
+    value_den: float  # value: loss_mask
+
+
+def plan_epoch(samples: list[Sample], cfg, world_size: int, generator: torch.Generator | None,
+               shuffle: bool) -> list[MiniBatch]:
+    """One PPO epoch on this rank: its shuffled samples cut into mini-batches of `train.mini_batch_size /
+    ranks` and those into micro-batches, padded to the count of the busiest rank (mini-batches and
+    micro-batches alike), with each mini-batch's denominators summed over ranks."""
+    tr = cfg.train
+    order = torch.randperm(len(samples), generator=generator).tolist() if shuffle else list(range(len(samples)))
+    minis = chunks(order, max(1, tr.mini_batch_size // world_size))
+    n_minis = int(all_reduce(torch.tensor([len(minis)], dtype=torch.float64), "max")[0])
+    minis += [[] for _ in range(n_minis - len(minis))]
+    plans = [chunks(m, tr.micro_batch_size) for m in minis]
+    shape = torch.tensor([[len(p)] + _denominators(samples, m, cfg.algo.loss_agg) for p, m in zip(plans, minis)],
+                         dtype=torch.float64).reshape(n_minis, 4)
+    most = all_reduce(shape[:, :1].clone(), "max")[:, 0]
+    denominators = all_reduce(shape[:, 1:].clone(), "sum")
+    return [MiniBatch(plan + [None] * (int(n) - len(plan)), *dens)
+            for plan, n, dens in zip(plans, most.tolist(), denominators.tolist())]
+
+
+class UpdateStats:
+    """Metrics of one `ppo_update`: means per micro-batch, per-mini-batch losses summed over ranks, and
+    the optimizer steps skipped for a non-finite gradient."""
+
+    def __init__(self, bad_steps_in_a_row: int):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.minibatch_losses: dict[str, list[float]] = {}
+        self.skipped_steps = {"actor": 0, "critic": 0}
+        self.bad_steps_in_a_row = bad_steps_in_a_row
+
+    def add(self, name: str, value) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(value)
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def end_minibatch(self, losses: dict[str, float], skipped: dict[str, bool], norms: dict[str, float | None]):
+        for name, value in losses.items():
+            self.minibatch_losses.setdefault(name, []).append(value)
+        for name, was_skipped in skipped.items():
+            self.skipped_steps[name] += was_skipped
+        self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if any(skipped.values()) else 0
+        for name, value in norms.items():
+            if value is not None and math.isfinite(float(value)):
+                self.add(name, float(value))
+
+    def metrics(self, update_actor: bool, with_critic: bool) -> dict[str, float]:
+        metrics = {k: self.sums[k] / self.counts[k] for k in self.sums}
+        # Each rank holds its share of every mini-batch's loss: the sums over ranks are the mini-batch losses.
+        names = sorted(self.minibatch_losses)
+        if names:
+            totals = all_reduce(torch.tensor([self.minibatch_losses[n] for n in names], dtype=torch.float64), "sum")
+            for name, total in zip(names, totals):
+                finite = total[torch.isfinite(total)]
+                metrics[name] = float(finite.mean()) if finite.numel() else float("nan")
+        if update_actor:
+            metrics["actor/skipped_steps"] = float(self.skipped_steps["actor"])
+        if with_critic:
+            metrics["critic/skipped_steps"] = float(self.skipped_steps["critic"])
+        metrics["update/bad_steps_in_a_row"] = float(self.bad_steps_in_a_row)
+        return metrics
+
+
 def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: int, device, world_size: int = 1,
                generator: torch.Generator | None = None, update_actor: bool = True,
-               shuffle: bool = True, bad_steps_in_a_row: int = 0) -> dict[str, float]:
+               shuffle: bool = True, bad_steps_in_a_row: int = 0, suppress_ids=()) -> dict[str, float]:
     """PPO epochs over `samples` (this rank's share) with exactly one optimizer step per mini-batch.
 
     Each rank cuts its shuffled samples into mini-batches of `train.mini_batch_size / ranks`; the
-    global mini-batch m is the union of every rank's m-th. Its gradient is that of the mini-batch's
-    loss under `algo.loss_agg` over all of it: every micro-batch divides its sum by the mini-batch's
-    global denominator (`core.loss_denominator`, all-reduced), the loss is multiplied by the world size
-    because DeepSpeed averages gradients over ranks, and DeepSpeed's own division by its accumulation
-    steps is off. The optimizer steps at the last micro-batch of each mini-batch, which is set
-    explicitly, whatever the micro-batch counts. Ranks with fewer micro-batches (or mini-batches) run
-    passes of loss 0, so collective operations of ZeRO-2/3 pair up.
+    global mini-batch m is the union of every rank's m-th (`plan_epoch`). Its gradient is that of the
+    mini-batch's loss under `algo.loss_agg` over all of it: every micro-batch divides its sum by the
+    mini-batch's global denominator (`core.loss_denominator`, all-reduced), the loss is multiplied by
+    the world size because DeepSpeed averages gradients over ranks, and DeepSpeed's own division by its
+    accumulation steps is off. The optimizer steps at the last micro-batch of each mini-batch, which is
+    set explicitly, whatever the micro-batch counts. Ranks with fewer micro-batches (or mini-batches)
+    run passes of loss 0, so collective operations of ZeRO-2/3 pair up.
 
     A step whose gradient is not finite (a NaN or inf loss included) is skipped on every rank and
     leaves the weights as they were (`_step`); `actor/skipped_steps` and `critic/skipped_steps` count
     them, and `update/bad_steps_in_a_row` continues `bad_steps_in_a_row` (the count at the end of the
     previous call) with this call's trailing run of mini-batches where an engine skipped. Returns mean
-    metrics; the losses of skipped mini-batches are left out of their means."""
-    algo, tr = cfg.algo, cfg.train
-    mini_per_rank = max(1, tr.mini_batch_size // world_size)
+    metrics; the losses of skipped mini-batches are left out of their means. `suppress_ids`: token ids
+    the rollout never samples, left out of the log-probabilities' support (`head_logprobs`)."""
+    algo = cfg.algo
     fields = ("old_logprobs", "advantages", "adv_mask", "returns")
     fields += ("old_values",) if critic_engine is not None else ()
     fields += ("ref_logprobs",) if (algo.kl_coef > 0 and not algo.kl_in_reward) else ()
-    engines = [e for e in (actor_engine if update_actor else None, critic_engine) if e is not None]
-    norm_tokens = loss_norm_tokens(cfg)
-    norm = {"norm_tokens": norm_tokens, "agg": algo.loss_agg}
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    minibatch_losses: dict[str, list[float]] = {}
-    skipped_steps = {"actor": 0, "critic": 0}
-
-    def add(name, value):
-        sums[name] = sums.get(name, 0.0) + float(value)
-        counts[name] = counts.get(name, 0) + 1
-
-    for _ in range(tr.ppo_epochs):
-        order = torch.randperm(len(samples), generator=generator).tolist() if shuffle else list(range(len(samples)))
-        minis = chunks(order, mini_per_rank)
-        n_minis = int(_all_reduce(torch.tensor([len(minis)], dtype=torch.float64), "max")[0])
-        minis += [[] for _ in range(n_minis - len(minis))]
-        plans = [chunks(m, tr.micro_batch_size) for m in minis]
-        shape = torch.tensor([[len(p)] + _denominators(samples, m, algo.loss_agg) for p, m in zip(plans, minis)],
-                             dtype=torch.float64).reshape(n_minis, 4)
-        most = _all_reduce(shape[:, :1].clone(), "max")[:, 0]
-        denominators = _all_reduce(shape[:, 1:].clone(), "sum")
-        for plan, n_micro, (pg_den, sampled_den, value_den) in zip(plans, most.tolist(), denominators.tolist()):
-            n_micro = int(n_micro)
-            skipped: dict[str, bool] = {}
-            losses = dict.fromkeys(["actor/pg_loss", "actor/entropy"] * update_actor + ["actor/kl_loss"] * (
-                update_actor and "ref_logprobs" in fields) + ["critic/vf_loss"] * (critic_engine is not None), 0.0)
-            norms: dict[str, float | None] = {}
-            for k in range(n_micro):
-                padding = k >= len(plan)
-                indices = plan[k] if not padding else [0]
-                if padding and not samples:
-                    raise RuntimeError("this rank holds no trajectory while others do; keep at least one level "
-                                       "group per rank")
-                weight = 0.0 if padding else float(world_size)
-                boundary = k == n_micro - 1
-                for engine in engines:
-                    engine.set_gradient_accumulation_boundary(boundary)
-                batch = collate([samples[i] for i in indices], pad_id, fields)
-                batch = {key: v.to(device) for key, v in batch.items()}
-                inputs = model_inputs(batch)
-                sampled_mask = batch["sampled_mask"]
-                if update_actor:
-                    logprobs, entropies = token_logprobs(actor_engine, batch, cfg.rollout.temperature,
-                                                         with_entropy=True)
-                    pg_loss, pg_metrics = core.ppo_policy_loss(
-                        logprobs, batch["old_logprobs"], batch["advantages"], batch["adv_mask"],
-                        clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-                        denominator=pg_den, **norm)
-                    entropy = core.aggregate_loss(entropies, sampled_mask, algo.loss_agg, norm_tokens, sampled_den)
-                    loss = pg_loss - algo.entropy_coef * entropy
-                    if "ref_logprobs" in batch:
-                        kl = core.aggregate_loss(core.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl_kind),
-                                                 sampled_mask, algo.loss_agg, norm_tokens, sampled_den)
-                        loss = loss + algo.kl_coef * kl
-                        if not padding:
-                            losses["actor/kl_loss"] += kl.item()
-                    actor_engine.backward(loss * weight, scale_wrt_gas=False)
-                    norms["actor/grad_norm"], skipped["actor"] = _step(actor_engine, boundary)
-                    if not padding:
-                        losses["actor/pg_loss"] += pg_loss.item()
-                        losses["actor/entropy"] += entropy.item()
-                        for key, value in pg_metrics.items():
-                            add(f"actor/{key}", value)
-                if critic_engine is not None:
-                    values = critic_engine(**inputs)
-                    vf_loss, vf_metrics = core.value_loss(values, batch["old_values"], batch["returns"],
-                                                          batch["loss_mask"], clip=algo.value_clip,
-                                                          denominator=value_den, **norm)
-                    critic_engine.backward(algo.vf_coef * vf_loss * weight, scale_wrt_gas=False)
-                    norms["critic/grad_norm"], skipped["critic"] = _step(critic_engine, boundary)
-                    if not padding:
-                        losses["critic/vf_loss"] += vf_loss.item()
-                        for key, value in vf_metrics.items():
-                            add(f"critic/{key}", value)
-            for name, value in losses.items():
-                minibatch_losses.setdefault(name, []).append(value)
-            for name, was_skipped in skipped.items():
-                skipped_steps[name] += was_skipped
-            bad_steps_in_a_row = bad_steps_in_a_row + 1 if any(skipped.values()) else 0
-            for name, value in norms.items():
-                if value is not None and math.isfinite(float(value)):
-                    add(name, float(value))
-    metrics = {k: sums[k] / counts[k] for k in sums}
-    # Each rank holds its share of every mini-batch's loss: the sums over ranks are the mini-batch losses.
-    names = sorted(minibatch_losses)
-    if names:
-        totals = _all_reduce(torch.tensor([minibatch_losses[n] for n in names], dtype=torch.float64), "sum")
-        for name, total in zip(names, totals):
-            finite = total[torch.isfinite(total)]
-            metrics[name] = float(finite.mean()) if finite.numel() else float("nan")
-    if update_actor:
-        metrics["actor/skipped_steps"] = float(skipped_steps["actor"])
-    if critic_engine is not None:
-        metrics["critic/skipped_steps"] = float(skipped_steps["critic"])
-    metrics["update/bad_steps_in_a_row"] = float(bad_steps_in_a_row)
+    actor = actor_engine if update_actor else None
+    stats = UpdateStats(bad_steps_in_a_row)
+    for _ in range(cfg.train.ppo_epochs):
+        for mini in plan_epoch(samples, cfg, world_size, generator, shuffle):
+            stats.end_minibatch(*train_minibatch(actor, critic_engine, samples, mini, cfg, pad_id, device, world_size,
+                                                 fields, stats, suppress_ids))
+    metrics = stats.metrics(update_actor, critic_engine is not None)
     if critic_engine is not None:
         metrics["critic/explained_var"] = explained_variance(samples)
     return metrics
+
+
+def train_minibatch(actor_engine, critic_engine, samples: list[Sample], mini: MiniBatch, cfg, pad_id: int, device,
+                    world_size: int, fields: tuple[str, ...], stats: UpdateStats, suppress_ids=()):
+    """Backward every micro-batch of `mini` and step the engines at its last; returns the mini-batch's
+    losses (this rank's part), whether each engine skipped its step, and the gradient norms."""
+    algo = cfg.algo
+    norm = {"norm_tokens": loss_norm_tokens(cfg), "agg": algo.loss_agg}
+    engines = [e for e in (actor_engine, critic_engine) if e is not None]
+    losses = dict.fromkeys(["actor/pg_loss", "actor/entropy"] * (actor_engine is not None) + ["actor/kl_loss"] * (
+        actor_engine is not None and "ref_logprobs" in fields) + ["critic/vf_loss"] * (critic_engine is not None), 0.0)
+    skipped: dict[str, bool] = {}
+    norms: dict[str, float | None] = {}
+    for k, indices in enumerate(mini.micro):
+        padding = indices is None
+        if padding and not samples:
+            raise RuntimeError("this rank holds no trajectory while others do; keep at least one level group per rank")
+        weight = 0.0 if padding else float(world_size)
+        boundary = k == len(mini.micro) - 1
+        for engine in engines:
+            engine.set_gradient_accumulation_boundary(boundary)
+        batch = collate([samples[i] for i in (indices if not padding else [0])], pad_id, fields)
+        batch = {key: v.to(device) for key, v in batch.items()}
+        if actor_engine is not None:
+            loss, parts, pg_metrics = actor_loss(actor_engine, batch, mini, cfg, norm, suppress_ids)
+            actor_engine.backward(loss * weight, scale_wrt_gas=False)
+            norms["actor/grad_norm"], skipped["actor"] = _step(actor_engine, boundary)
+            if not padding:
+                for name, value in parts.items():
+                    losses[name] += value
+                for key, value in pg_metrics.items():
+                    stats.add(f"actor/{key}", value)
+        if critic_engine is not None:
+            values = critic_engine(**model_inputs(batch))
+            vf_loss, vf_metrics = core.value_loss(values, batch["old_values"], batch["returns"], batch["loss_mask"],
+                                                  clip=algo.value_clip, denominator=mini.value_den, **norm)
+            critic_engine.backward(algo.vf_coef * vf_loss * weight, scale_wrt_gas=False)
+            norms["critic/grad_norm"], skipped["critic"] = _step(critic_engine, boundary)
+            if not padding:
+                losses["critic/vf_loss"] += vf_loss.item()
+                for key, value in vf_metrics.items():
+                    stats.add(f"critic/{key}", value)
+    return losses, skipped, norms
+
+
+def actor_loss(actor_engine, batch: dict[str, torch.Tensor], mini: MiniBatch, cfg, norm: dict, suppress_ids=()):
+    """The actor's loss on one micro-batch: clipped policy gradient - entropy bonus (+ KL to the
+    reference); returns it, its parts as floats, and the policy-gradient metrics."""
+    algo = cfg.algo
+    sampled_mask = batch["sampled_mask"]
+    logprobs, entropies = token_logprobs(actor_engine, batch, cfg.rollout.temperature, with_entropy=True,
+                                         suppress_ids=suppress_ids)
+    pg_loss, pg_metrics = core.ppo_policy_loss(
+        logprobs, batch["old_logprobs"], batch["advantages"], batch["adv_mask"], clip_low=algo.clip_low,
+        clip_high=algo.clip_high, dual_clip=algo.dual_clip, denominator=mini.pg_den, **norm)
+    entropy = core.aggregate_loss(entropies, sampled_mask, algo.loss_agg, norm["norm_tokens"], mini.sampled_den)
+    loss = pg_loss - algo.entropy_coef * entropy
+    parts = {"actor/pg_loss": pg_loss.item(), "actor/entropy": entropy.item()}
+    if "ref_logprobs" in batch:
+        kl = core.aggregate_loss(core.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl_kind), sampled_mask,
+                                 algo.loss_agg, norm["norm_tokens"], mini.sampled_den)
+        loss = loss + algo.kl_coef * kl
+        parts["actor/kl_loss"] = kl.item()
+    return loss, parts, pg_metrics
 
 
 @contextlib.contextmanager

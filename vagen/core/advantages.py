@@ -22,6 +22,7 @@ import math
 import torch
 
 from vagen.core._checks import check_same_shape, check_unit_interval
+from vagen.core.selection import group_moments
 
 __all__ = ["gae", "turn_level_gae", "grpo_advantages", "masked_whiten"]
 
@@ -251,13 +252,7 @@ def grpo_advantages(
     if scores.numel() == 0:
         return torch.zeros(0, dtype=out_dtype, device=scores.device)
     s = scores.to(torch.float64)
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inverse.max()) + 1
-    count = torch.bincount(inverse, minlength=n_groups).to(torch.float64)
-    mean = torch.zeros(n_groups, dtype=torch.float64, device=s.device).index_add_(0, inverse, s) / count
-    centred = s - mean[inverse]
-    sq = torch.zeros_like(mean).index_add_(0, inverse, centred * centred)
-    std = torch.sqrt(sq / (count - 1).clamp(min=1))
+    count, mean, std, centred, inverse = group_moments(scores, group_ids)
     s_max = torch.full_like(mean, -math.inf).scatter_reduce(0, inverse, s, "amax")
     s_min = torch.full_like(mean, math.inf).scatter_reduce(0, inverse, s, "amin")
     degenerate = (count < 2) | (s_max == s_min)  # exact test, not std < tol
@@ -267,7 +262,7 @@ def grpo_advantages(
 
 
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, reduce=None
 ) -> torch.Tensor:
     """Whiten x with the mean and unbiased variance of its masked-in entries (whole batch).
 
@@ -277,18 +272,21 @@ def masked_whiten(
     Args:
         x: [B, L] float (any shape, same as mask).
         mask: [B, L] bool or 0/1.
+        reduce: sums a float64 tensor over data-parallel ranks (an all-reduce), so that each rank
+            whitens its part with the mean and variance of the whole batch; None = this batch alone.
 
     Returns:
         [B, L], dtype of x, 0 where mask is 0 (all 0 when the mask is empty).
     """
     check_same_shape("masked_whiten", None, x=x, mask=mask)
+    reduce = reduce if reduce is not None else (lambda t: t)
     m = mask != 0
     vals = x[m].to(torch.float64)
-    n = vals.numel()
+    total, n = reduce(torch.stack([vals.sum(), torch.tensor(float(vals.numel()), dtype=torch.float64)]))
     if n == 0:
         return torch.zeros_like(x)
-    mean = vals.mean()
-    var = ((vals - mean) ** 2).sum() / max(n - 1, 1)
+    mean = total / n
+    var = reduce(((vals - mean) ** 2).sum()[None])[0] / (n - 1).clamp(min=1)
     y = (x.to(torch.float64) - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         y = y + mean

@@ -13,6 +13,7 @@ __all__ = [
     "select_critical_tokens",
     "filter_groups_by_reward_std",
     "group_std",
+    "group_moments",
 ]
 
 SELECT_MODES = ("all", "answer", "think_answer", "entropy")
@@ -89,14 +90,15 @@ def _top_entropy(gen: torch.Tensor, entropies: torch.Tensor, top_ratio: float) -
     return top & gen
 
 
-def group_std(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unbiased in-group std of scores.
+def group_moments(scores: torch.Tensor, group_ids: torch.Tensor):
+    """In-group count, mean and unbiased std of scores (the one place they are computed).
 
     Args:
         scores: [B] float; group_ids: [B] int (any labels).
 
     Returns:
-        (std [G] float64 in ascending group-id order, 0 for a group of one;
+        (count, mean, std: [G] float64 in ascending group-id order, std 0 for a group of one;
+         centred [B] float64, each score minus its group's mean;
          inverse [B] long, the group index of each trajectory).
     """
     _, inverse = torch.unique(group_ids, return_inverse=True)
@@ -104,8 +106,15 @@ def group_std(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tens
     s = scores.to(torch.float64)
     count = torch.bincount(inverse, minlength=n_groups).to(torch.float64)
     mean = torch.zeros(n_groups, dtype=torch.float64, device=s.device).index_add_(0, inverse, s) / count
-    sq = torch.zeros_like(mean).index_add_(0, inverse, (s - mean[inverse]) ** 2)
-    return torch.sqrt(sq / (count - 1).clamp(min=1)), inverse
+    centred = s - mean[inverse]
+    sq = torch.zeros_like(mean).index_add_(0, inverse, centred * centred)
+    return count, mean, torch.sqrt(sq / (count - 1).clamp(min=1)), centred, inverse
+
+
+def group_std(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unbiased in-group std of scores: (std [G] float64, 0 for a group of one; inverse [B] long)."""
+    _, _, std, _, inverse = group_moments(scores, group_ids)
+    return std, inverse
 
 
 def filter_groups_by_reward_std(

@@ -1,6 +1,6 @@
 """`python -m vagen.warmstart` is `python -m vagen.sft`."""
 
-from vagen.run import leave_process_group
+from vagen.distributed import leave_process_group
 from vagen.warmstart.sft import main
 
 raise SystemExit(leave_process_group(main()))

@@ -26,7 +26,8 @@ from envs_visual.base import format_response
 from envs_visual.frozenlake import STYLE_ORDER
 from envs_visual.grid import DIRECTIONS
 from envs_visual.sokoban import teacher_decision
-from vagen.rollout import ChatEncoder, Episode, Turn, eval_seeds, make_env
+from vagen.episode import ChatEncoder, Episode, Turn, eval_seeds
+from vagen.rollout import make_env
 
 POLICIES = ("teacher", "solver", "random")  # random: a baseline, not for warm starts
 

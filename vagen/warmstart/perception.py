@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from vagen.rollout import ChatEncoder, Episode, Turn, make_env
+from vagen.episode import ChatEncoder, Episode, Turn
+from vagen.rollout import make_env
 from vagen.warmstart.demos import distinct_levels
 
 # state() keys of objects that sit on one cell, and how a question names them

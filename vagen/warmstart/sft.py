@@ -73,7 +73,8 @@ def masked_logits(model, batch, device):
     much as the rest of the tiny model), with the shared prompt prefix computed once. Returns
     (logits [B, K, V], targets [B, K], mask [B, K]) for the K positions after which some row has a
     generated token."""
-    from vagen.trajectory import forward_shared_prefix, generated_positions, model_inputs
+    from vagen.models import forward_shared_prefix, generated_positions
+    from vagen.trajectory import model_inputs
 
     wanted = generated_positions(batch["loss_mask"])
     logits = forward_shared_prefix(model, model_inputs(batch, device), logits_to_keep=wanted.to(device))
@@ -98,7 +99,8 @@ def answer_accuracy(model, samples, pad_id: int, device, micro_batch_size: int =
     `whole_response`, every generated token of the turn: `sft/val_response_accuracy`), and the
     mean negative log-likelihood of generated tokens."""
     from vagen import core
-    from vagen.trajectory import collate, generated_positions
+    from vagen.models import generated_positions
+    from vagen.trajectory import collate
     from vagen.update import chunks
 
     was_training = model.training
@@ -196,7 +198,7 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
     until, from `min_steps` on, held-out answer accuracy stops improving or reaches `target_accuracy`
     (or `max_steps` / `time_budget_s` run out). Returns stats; `on_check(step, metrics)` is called at every
     check. With `desc`, a progress bar of that name counts the steps toward `max_steps` (with its ETA)."""
-    from vagen.run import progress_bar
+    from vagen.console import progress_bar
     from vagen.trajectory import collate
     from vagen.update import chunks
 
@@ -301,8 +303,9 @@ def play_levels(model, encoder, cfg, seeds: list[int], do_sample: bool, batch: i
     """One episode of `model` on each of `seeds`, `batch` at a time, greedy or sampled with
     `rollout.temperature` from `sample_seed` (the caller's random state is left as it was). With
     `desc`, a progress bar of that name counts episodes."""
-    from vagen.rollout import own_draws, rollout
-    from vagen.run import progress_bar
+    from vagen.console import progress_bar
+    from vagen.decoding import own_draws
+    from vagen.rollout import rollout
 
     model.eval()
     episodes = []
@@ -398,7 +401,8 @@ def relabelled_samples(episodes, cfg, encoder, model, policy: str = "teacher") -
     model reached (found by replaying the model's responses in the env's text mode)."""
     import numpy as np
 
-    from vagen.rollout import Episode, Turn, make_env
+    from vagen.episode import Episode, Turn
+    from vagen.rollout import make_env
     from vagen.trajectory import episode_to_sample
     from vagen.warmstart.demos import demo_response
 
@@ -517,8 +521,8 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     `STATE_FILE` recording the command, code revision, settings and build metrics. With
     `cells_only` (`on_policy_only`), `base_path` is a warm start already and only the cell-question
     (on-policy) stage runs on it, with its demonstrations mixed in as in a full build."""
-    from vagen.models import load_policy, set_pixel_bounds
-    from vagen.rollout import ChatEncoder
+    from vagen.episode import ChatEncoder
+    from vagen.models import load_policy
 
     if cells_only and on_policy_only:
         raise ValueError("cells_only and on_policy_only each run one stage alone: choose one")
@@ -533,10 +537,8 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     # The code the demonstrations are written by, read before they are: the checkout may change during a build.
     revision, demo_code = code_revision(), demonstration_code(cfg.env.name, questions)
     torch.manual_seed(0)
-    model, processor = load_policy(Path(base_path), cfg.model.dtype)
+    model, processor = load_policy(Path(base_path), cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)
     encoder = ChatEncoder(processor)
-    if cfg.model.min_pixels or cfg.model.max_pixels:
-        set_pixel_bounds(processor, cfg.model.min_pixels, cfg.model.max_pixels)
     train_demos, val_demos = demo_sets(cfg, policy)
     train_samples = demo_samples(train_demos, cfg, encoder, model)
     val_samples = demo_samples(val_demos, cfg, encoder, model)
@@ -595,7 +597,7 @@ def write_card(cfg, checkpoint: Path, rows: dict, n: int, revision: str | None =
     """`checkpoint/card.json`: how the warm start was built (from its `STATE_FILE`) and its held-out
     success on `n` evaluation levels next to the scripted baselines (`report`'s rows), each with a 95%
     Wilson interval; `revision` is the code that evaluated it (default: this checkout's)."""
-    from vagen.rollout import wilson_interval
+    from vagen.eval import wilson_interval
 
     checkpoint = Path(checkpoint)
     state = json.loads((checkpoint / STATE_FILE).read_text()) if (checkpoint / STATE_FILE).exists() else {}
@@ -662,8 +664,8 @@ def main(argv=None) -> int:
         write_card(cfg, checkpoint, report(cfg, checkpoint, n), n)
         print(f"card written to {checkpoint / CARD_FILE}", flush=True)
         return 0
+    from vagen.distributed import init_distributed
     from vagen.models import base_checkpoint
-    from vagen.train import init_distributed
 
     dist = init_distributed()
     base = Path(args.base) if args.base else base_checkpoint(cfg.model, base_path_of(cfg))
@@ -691,8 +693,9 @@ def report(cfg, checkpoint: Path, n: int) -> dict:
     """Held-out greedy and sampled success of `checkpoint` next to the teacher's (and, for a teacher
     with styles, its best style per level), the solver's, a random policy's and the best blind plan's
     (`vagen.warmstart.demos.blind_success`) on the same evaluation levels."""
+    from vagen.episode import ChatEncoder
+    from vagen.eval import wilson_interval
     from vagen.models import load_policy
-    from vagen.rollout import ChatEncoder, wilson_interval
     from vagen.warmstart.demos import distinct_eval_seeds, scripted_baselines
 
     seeds = distinct_eval_seeds(cfg.env, n)
@@ -710,6 +713,6 @@ def report(cfg, checkpoint: Path, n: int) -> dict:
 
 
 if __name__ == "__main__":
-    from vagen.run import leave_process_group
+    from vagen.distributed import leave_process_group
 
     raise SystemExit(leave_process_group(main()))
