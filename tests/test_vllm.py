@@ -1,0 +1,250 @@
+"""`rollout.backend=vllm` against real vLLM: the registry's CPU build, in the environment that
+scripts/vllm_env.sh builds (never the base one). Marked `vllm`, outside the default selection:
+
+    bash scripts/vllm_env.sh && .venv-vllm/bin/python -m pytest -m vllm tests/test_vllm.py
+
+The models are built here, offline: the built-in tiny Qwen2.5-VL with vagen's image hooks taken out
+of its config.json (a standard Qwen2.5-VL, random weights), and the shipped text warm start
+`assets:sokoban_text` (a standard Qwen2, a trained policy). One engine per model serves the session.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vagen.config import checkpoints_dir, load_config
+from vagen.decoding_hf import HFDecoder
+from vagen.decoding_vllm import VLLMDecoder
+from vagen.episode import ChatEncoder
+from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, load_policy, resolve_model_path
+from vagen.rollout import rollout
+from vagen.trajectory import collate, episode_to_sample
+from vagen.update import token_logprobs
+
+pytestmark = pytest.mark.vllm
+
+TOLERANCE = 1e-4  # float32 on both sides: measured differences are ~1e-5
+
+
+def require_vllm() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(f"tests marked vllm need vLLM ({err}); build its environment with "
+                           f"`bash scripts/vllm_env.sh` and run them with `.venv-vllm/bin/python -m pytest -m vllm`") from err
+
+
+@pytest.fixture(scope="session")
+def standard_vl(model_cache, tmp_path_factory):
+    """The built-in tiny Qwen2.5-VL as a standard checkpoint: its config.json without vagen's hooks."""
+    source = resolve_model_path("builtin:tiny-vl", model_cache, seed=0)
+    out = tmp_path_factory.mktemp("standard_vl") / "tiny-vl"
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text())
+    assert config.get(CENTER_IMAGE_TOKENS), f"the built-in was expected to carry {CENTER_IMAGE_TOKENS}: {config}"
+    for key in (CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE):
+        config.pop(key, None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.fixture(scope="session")
+def vl(standard_vl):
+    """(model, encoder, decoder) of the standard tiny VLM: the trainer's float32 model and a vLLM engine."""
+    require_vllm()
+    model, processor = load_policy(standard_vl)
+    model.eval()
+    encoder = ChatEncoder(processor)
+    return model, encoder, VLLMDecoder(standard_vl, encoder, dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def text_policy():
+    """(model, encoder, decoder) of the shipped text warm start, a trained Qwen2 policy."""
+    require_vllm()
+    path = checkpoints_dir() / "sokoban_text"
+    model, processor = load_policy(path)
+    model.eval()
+    encoder = ChatEncoder(processor)
+    return model, encoder, VLLMDecoder(path, encoder, dtype="float32", seed=0)
+
+
+def config(*overrides: str):
+    return load_config(None, ["rollout.max_turns=3", "rollout.max_new_tokens=24", "rollout.temperature=1.0",
+                              "env.name=sokoban", "env.render_mode=vision", *overrides])
+
+
+def record_requests(decoder: VLLMDecoder, monkeypatch) -> list[dict]:
+    """What the engine itself reports for every request from now on: the prompt ids it ran, the ids it
+    generated and its log-probability of each."""
+    requests = []
+    engine_generate = decoder.llm.generate
+
+    def recording(*args, **kwargs):
+        outputs = engine_generate(*args, **kwargs)
+        for output in outputs:
+            completion = output.outputs[0]
+            requests.append({"prompt": list(output.prompt_token_ids), "ids": list(completion.token_ids),
+                             "logprobs": [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]})
+        return outputs
+
+    monkeypatch.setattr(decoder.llm, "generate", recording)
+    return requests
+
+
+@torch.no_grad()
+def trainer_logprobs(model, encoder: ChatEncoder, episode, temperature: float):
+    """The episode's token ids as training builds them, and the update's log-probability of each [L]."""
+    sample = episode_to_sample(episode, encoder, model)
+    batch = collate([sample], encoder.pad_id)
+    logprobs, _ = token_logprobs(model, batch, temperature, with_entropy=False, suppress_ids=encoder.suppress_ids)
+    return sample.input_ids.tolist(), logprobs[0]
+
+
+def sampled_gaps(model, encoder, episodes, temperature: float) -> list[float]:
+    """|engine - trainer| log-probability of every sampled token of the episodes."""
+    gaps = []
+    for episode in episodes:
+        _, logprobs = trainer_logprobs(model, encoder, episode, temperature)
+        for turn in episode.turns:
+            start = turn.span[0]
+            engine = torch.tensor(turn.sampled_logprobs)
+            gaps += (engine - logprobs[start : start + len(engine)]).abs().tolist()
+    return gaps
+
+
+def test_logprobs_and_token_ids_of_three_turns_with_images(vl, monkeypatch):
+    model, encoder, decoder = vl
+    cfg = config()
+    requests = record_requests(decoder, monkeypatch)
+    episodes, _ = rollout(model, encoder, cfg, seeds=[3, 4], group_size=2, decoder=decoder, sample_seed=11)
+    assert len(requests) == 12, f"{len(requests)} requests for 4 episodes of 3 turns"
+    gaps = []
+    for episode in episodes:
+        assert len(episode.turns) == 3 and len(episode.images) == 3, (len(episode.turns), len(episode.images))
+        ids, logprobs = trainer_logprobs(model, encoder, episode, cfg.rollout.temperature)
+        for turn in episode.turns:
+            start, end = turn.span
+            # Members of a group share their first prompt: the request is the one that returned these ids.
+            same_prompt = [r for r in requests if r["prompt"] == ids[:start]]
+            assert same_prompt, f"no request ran the trainer's prefix of {start} ids (turn at {turn.span})"
+            request = next((r for r in same_prompt if ids[start : start + len(r["ids"])] == r["ids"]
+                            or ids[start : start + len(r["ids"]) - 1] == r["ids"][:-1]), None)
+            assert request is not None, "no request for this prompt returned the ids the trainer holds for the turn"
+            requests.remove(request)
+            returned = request["ids"]
+            stopped = returned[-1] in encoder.stop_ids
+            kept = len(returned) - stopped
+            assert ids[start : start + kept] == returned[:kept], "generated ids differ from the trainer's"
+            assert end == start + kept + 1 and ids[end - 1] == encoder.im_end_id, (turn.span, kept)
+            assert turn.end_sampled == (returned[-1] == encoder.im_end_id)
+            engine = request["logprobs"][: kept + turn.end_sampled]
+            assert turn.sampled_logprobs == pytest.approx(engine, abs=0), "the episode keeps the engine's log-probs"
+            trainer = logprobs[start : start + len(engine)]
+            gaps += (torch.tensor(engine) - trainer).abs().tolist()
+    assert len(gaps) >= 12
+    assert max(gaps) < TOLERANCE, f"max |vLLM - trainer| log-prob {max(gaps):.2e} over {len(gaps)} sampled tokens"
+    print(f"log-prob max |vLLM - trainer| {max(gaps):.2e}, mean {sum(gaps) / len(gaps):.2e} over {len(gaps)} tokens")
+
+
+def test_weight_sync_follows_an_optimizer_step(vl):
+    model, encoder, decoder = vl
+    cfg = config("rollout.max_turns=2")
+    played = dict(seeds=[5], group_size=2, decoder=decoder, sample_seed=3)
+    before, _ = rollout(model, encoder, cfg, **played)  # caches now hold these prompts under the old weights
+    assert max(sampled_gaps(model, encoder, before, 1.0)) < TOLERANCE
+
+    updated = copy.deepcopy(model)
+    updated.train()
+    optimizer = torch.optim.AdamW(updated.parameters(), lr=1e-2)
+    samples = [episode_to_sample(ep, encoder, updated) for ep in before]
+    batch = collate(samples, encoder.pad_id)
+    logprobs, _ = token_logprobs(updated, batch, 1.0, with_entropy=False, suppress_ids=encoder.suppress_ids)
+    (-(logprobs * batch["loss_mask"]).sum()).backward()
+    optimizer.step()
+    updated.eval()
+    vision = dict(model.named_parameters())["model.visual.blocks.0.attn.qkv.weight"]
+    assert not torch.equal(vision, dict(updated.named_parameters())["model.visual.blocks.0.attn.qkv.weight"])
+
+    try:
+        seconds = decoder.sync_weights(updated)
+        assert seconds > 0
+        after, _ = rollout(updated, encoder, cfg, **played)
+        to_updated = sampled_gaps(updated, encoder, after, 1.0)
+        to_old = sampled_gaps(model, encoder, after, 1.0)
+        assert max(to_updated) < TOLERANCE, f"after sync: max |vLLM - updated model| {max(to_updated):.2e}"
+        assert max(to_old) > 100 * TOLERANCE, f"the step changed the old model's log-probs by only {max(to_old):.2e}"
+    finally:
+        decoder.sync_weights(model)
+    again, _ = rollout(model, encoder, cfg, **played)
+    assert [ep.input_ids for ep in again] == [ep.input_ids for ep in before], "syncing the old weights back"
+
+
+def test_same_seed_same_rollout(vl):
+    model, encoder, decoder = vl
+    cfg = config("rollout.max_turns=2")
+
+    def play(sample_seed):
+        episodes, _ = rollout(model, encoder, cfg, seeds=[7], group_size=3, decoder=decoder, sample_seed=sample_seed)
+        return [ep.input_ids for ep in episodes], [[t.sampled_logprobs for t in ep.turns] for ep in episodes]
+
+    first_ids, first_logprobs = play(21)
+    again_ids, again_logprobs = play(21)  # every prompt now comes from the prefix cache
+    assert again_ids == first_ids and again_logprobs == first_logprobs
+    assert len({tuple(ids) for ids in first_ids}) == 3, "members of a group (one level seed) draw their own responses"
+    other_ids, _ = play(22)
+    assert other_ids != first_ids
+
+
+def test_greedy_equals_the_hf_backend_and_stops_at_the_answer(text_policy):
+    model, encoder, decoder = text_policy
+    cfg = load_config(None, ["rollout.max_turns=3", "rollout.max_new_tokens=64", "env.name=sokoban",
+                             "env.render_mode=text"])
+    played = dict(seeds=[1_000_000_000 + k for k in range(4)], group_size=1, do_sample=False)
+    hf, _ = rollout(model, encoder, cfg, decoder=HFDecoder(model, encoder), **played)
+    vllm, _ = rollout(model, encoder, cfg, decoder=decoder, **played)
+    assert [ep.input_ids for ep in vllm] == [ep.input_ids for ep in hf]
+    answered = 0
+    for episode in vllm:
+        for turn in episode.turns:
+            if turn.response.endswith("</answer>"):  # the stop string: its completing token kept, <|im_end|> appended
+                text = encoder.tokenizer.decode(episode.input_ids[turn.span[0] : turn.span[1] - 1])
+                assert text.endswith("</answer>") and not turn.end_sampled, (text, turn.end_sampled)
+                answered += 1
+    assert answered, [t.response for ep in vllm for t in ep.turns]
+
+
+def test_models_with_image_hooks_are_refused_before_any_work(model_cache):
+    script = f"""
+import sys
+from vagen.config import load_config
+from vagen.decoding_vllm import VLLMDecoder
+from vagen.episode import ChatEncoder
+from vagen.models import load_policy, resolve_model_path
+path = resolve_model_path("builtin:tiny-vl", {model_cache!r}, seed=0)
+encoder = ChatEncoder(load_policy(path)[1])
+for make in (lambda: VLLMDecoder(path, encoder),
+             lambda: VLLMDecoder.from_config(load_config(None, ["model.builtin_cache={model_cache}"]))):
+    try:
+        make()
+    except ValueError as err:
+        print("refused:", err)
+    else:
+        print("accepted")
+print("vllm imported:", "vllm" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    refusals = [line for line in lines if line.startswith("refused:")]
+    assert len(refusals) == 2, out.stdout
+    for line in refusals:
+        assert CENTER_IMAGE_TOKENS in line and "rollout.backend=hf" in line and "standard Qwen2.5-VL" in line, line
+    assert lines[-1] == "vllm imported: False", "the refusal came after vLLM was started"

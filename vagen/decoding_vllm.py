@@ -1,0 +1,341 @@
+"""The vLLM decoder: each rank runs its own in-process `vllm.LLM` engine over its share of the rollout
+(data-parallel; `vllm.tensor_parallel_size` GPUs per engine), with prefix caching, so a turn re-reads
+its history from cache instead of recomputing it.
+
+What the engine is given and what comes back are exactly the tokens training uses:
+- a turn's prompt is the episode's own `input_ids` (a `TokensPrompt`, never re-rendered text) with its
+  frames (`Episode.images`, resized once by `ChatEncoder.resize`, so vLLM's processor leaves them as
+  they are); the prompt vLLM ran is checked to be those ids, position for position;
+- generated ids are kept as sampled, and with each the engine's log-probability of it under the
+  distribution it was drawn from (`logprobs_mode="processed_logprobs"`: after the suppress mask and the
+  temperature, which is what `vagen.update` computes);
+- the rules of `vagen.decoding` hold: stop at `<|im_end|>`/`<|endoftext|>` (kept), at `</answer>` (the
+  token that completes it kept), or after `max_new_tokens`; `ChatEncoder.suppress_ids` are masked
+  exactly (`allowed_token_ids`: every other id of the model's vocabulary); no nucleus, no top-k unless
+  asked; each request seeded from the turn's seed and the episode's row (`request_seed`); greedy when
+  `do_sample` is false. The checkpoint's own generation config (repetition penalty and the like) is
+  never read.
+
+Weights follow training through `sync_weights(model)`: the actor's parameters are loaded into the
+engine a group at a time (under ZeRO-3 each group is gathered with `GatheredParameters`, never the
+whole model at once), then the prefix and encoder caches are reset, so no key, value or image
+embedding of the old weights is reused. On a GPU, `sleep()` releases the engine's memory while the
+update runs and `wake_up()` restores it (vLLM's sleep mode); on the CPU both do nothing.
+
+Built-in tiny models whose config turns on vagen's image hooks (`vagen_center_image_tokens`,
+`vagen_image_position_code`) are refused: stock vLLM does not run those hooks, so it would sample a
+different policy from the one being trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from vagen.decoding import STOP_STRING, Generated, Sampling, request_seed
+from vagen.episode import ChatEncoder, Episode
+from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE
+
+# Engine settings, read from the `vllm` config section where it exists (see `settings_from`).
+DEFAULT_SETTINGS = {
+    "gpu_memory_utilization": 0.5,
+    "max_model_len": 8192,
+    "enforce_eager": True,
+    "tensor_parallel_size": 1,
+    "sleep_mode": True,
+    "cpu_kv_cache_gib": 1.0,
+    "sync_group_mb": 512,
+}
+
+
+def image_hooks(checkpoint: Path) -> list[str]:
+    """The vagen image hooks a checkpoint's config.json turns on (keys of `vagen.models`)."""
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    return [key for key in (CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE) if config.get(key)]
+
+
+def refuse_image_hooks(checkpoint: Path) -> None:
+    hooks = image_hooks(checkpoint)
+    if hooks:
+        raise ValueError(
+            f"rollout.backend=vllm cannot decode {checkpoint}: its config.json turns on vagen's image hooks "
+            f"{hooks}, which stock vLLM does not run, so vLLM would sample a different policy from the one "
+            f"being trained. Use a standard Qwen2.5-VL / Qwen2-VL checkpoint (model.path=/path/to/checkpoint), "
+            f"or rollout.backend=hf, which runs the hooks.")
+
+
+# Checkpoints saved by `config.save_pretrained` alone (the built-ins) name no architecture; vLLM needs one.
+ARCHITECTURES = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def architecture_override(checkpoint: Path) -> dict:
+    """vLLM's `hf_overrides` naming the checkpoint's architecture when its config.json names none."""
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    if config.get("architectures"):
+        return {}
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"{checkpoint}/config.json names no architectures and its model_type {model_type!r} is "
+                         f"not one vagen knows ({sorted(ARCHITECTURES)}); add \"architectures\": [\"...\"] to it")
+    return {"architectures": [ARCHITECTURES[model_type]]}
+
+
+def settings_from(cfg) -> dict:
+    """Engine settings of the config's `vllm` section, defaults where the section or a field is absent."""
+    section = getattr(cfg, "vllm", None)
+    return {key: getattr(section, key, default) for key, default in DEFAULT_SETTINGS.items()}
+
+
+def unwrap(model):
+    """The `transformers` module under a DeepSpeed engine (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+class VLLMDecoder:
+    """A rank's vLLM engine over `checkpoint`, decoding turns of `vagen.episode.Episode`s. Implements
+    `vagen.decoding.Decoder`; `sync_weights`, `sleep` and `wake_up` keep it in step with training."""
+
+    def __init__(self, checkpoint: str | Path, encoder: ChatEncoder, *, dtype: str = "float32", seed: int = 0,
+                 **settings):
+        unknown = sorted(set(settings) - set(DEFAULT_SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown vLLM settings {unknown}; known: {sorted(DEFAULT_SETTINGS)}")
+        self.settings = {**DEFAULT_SETTINGS, **settings}
+        self.checkpoint = Path(checkpoint)
+        refuse_image_hooks(self.checkpoint)
+        self.encoder = encoder
+        self.on_gpu = torch.cuda.is_available()
+        tensor_parallel = int(self.settings["tensor_parallel_size"])
+        if tensor_parallel == 1:
+            # The engine core and its one worker run in this process: `sync_weights` hands them the
+            # actor's tensors directly instead of serialising them to another process.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        else:
+            # Workers are processes: `sync_weights` sends them a function with its tensors (pickled).
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        from vllm import LLM
+
+        options = dict(
+            model=str(self.checkpoint),
+            tokenizer=str(self.checkpoint),
+            runner="generate",
+            hf_overrides=architecture_override(self.checkpoint),
+            dtype=dtype,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel,
+            enable_prefix_caching=True,
+            enforce_eager=bool(self.settings["enforce_eager"]),
+            max_model_len=int(self.settings["max_model_len"]),
+            gpu_memory_utilization=float(self.settings["gpu_memory_utilization"]),
+            generation_config="vllm",  # the checkpoint's sampling defaults would change the distribution
+            logprobs_mode="processed_logprobs",  # of the distribution sampled from: masked, after temperature
+        )
+        if self.on_gpu:
+            options["enable_sleep_mode"] = bool(self.settings["sleep_mode"])
+        else:
+            options["kv_cache_memory_bytes"] = int(float(self.settings["cpu_kv_cache_gib"]) * 2**30)
+        if encoder.is_vision:
+            size = encoder.processor.image_processor.size
+            # The encoder's pixel bounds (model.min_pixels/max_pixels included): frames resized under
+            # them are left as they are by vLLM's processor, so image token counts agree.
+            options["mm_processor_kwargs"] = {"size": {"shortest_edge": size["shortest_edge"],
+                                                       "longest_edge": size["longest_edge"]}}
+            options["limit_mm_per_prompt"] = {"video": 0}
+        # vLLM's CPU worker expects a process of its own: it sets torch to one thread and replaces
+        # `torch.set_num_threads` with a no-op. Here it shares the trainer's process, which gets both back.
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            self.llm = LLM(**options)
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        suppress = set(encoder.suppress_ids)
+        self.allowed_ids = [i for i in range(self.vocab_size) if i not in suppress]
+        self.asleep = False
+        self.in_process = tensor_parallel == 1
+
+    @classmethod
+    def from_config(cls, cfg, model=None, encoder: ChatEncoder | None = None) -> VLLMDecoder:
+        """The engine of a run: the base checkpoint of `cfg.model` (refused when it has image hooks),
+        `cfg.model.dtype`, seeded by `cfg.train.seed`, settings of `cfg.vllm`; then `model`'s weights
+        when given (a resumed or warm-started actor differs from the base checkpoint)."""
+        from vagen.models import base_checkpoint, load_policy
+
+        checkpoint = base_checkpoint(cfg.model)
+        refuse_image_hooks(checkpoint)
+        if encoder is None:
+            encoder = ChatEncoder(load_policy(checkpoint, cfg.model.dtype)[1])
+        decoder = cls(checkpoint, encoder, dtype=cfg.model.dtype, seed=cfg.train.seed, **settings_from(cfg))
+        if model is not None:
+            decoder.sync_weights(model)
+        return decoder
+
+    # -- the Decoder protocol ---------------------------------------------------------------------------
+
+    def start_rollout(self) -> None:
+        """Nothing to drop: requests carry whole histories, and the prefix cache serves the next turn."""
+
+    def any_rank(self, flag: bool) -> bool:
+        """Each rank's engine decodes alone: no rank waits for another's."""
+        return flag
+
+    def sampling_params(self, sampling: Sampling, row: int):
+        from vllm import SamplingParams
+
+        options = dict(
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=sorted(self.encoder.stop_ids),
+            ignore_eos=True,  # only the stop ids above end a turn, as in the hf backend
+            stop=[STOP_STRING],
+            include_stop_str_in_output=True,
+            allowed_token_ids=self.allowed_ids,
+            logprobs=0,  # the sampled token's own log-probability
+            skip_special_tokens=True,
+        )
+        if sampling.do_sample:
+            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0),
+                           seed=request_seed(sampling.seed, row))
+        else:
+            options.update(temperature=0.0)
+        return SamplingParams(**options)
+
+    def prompt(self, episode: Episode) -> dict:
+        """The episode's ids and frames as a vLLM `TokensPrompt`. vLLM expands each image's placeholder
+        itself (its processor counts the image's tokens), so each image's run of `<|image_pad|>` goes in
+        as one; `generate` checks that the expanded prompt is the episode's ids again."""
+        if not episode.images:
+            return {"prompt_token_ids": list(episode.input_ids)}
+        pad = self.encoder.image_pad_id
+        ids = [t for k, t in enumerate(episode.input_ids) if t != pad or k == 0 or episode.input_ids[k - 1] != pad]
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(episode.images)}}
+
+    def generate(self, episodes: list[Episode], rows: list[int], sampling: Sampling) -> list[Generated]:
+        assert len(episodes) == len(rows), f"{len(episodes)=} {len(rows)=}"
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep (its memory released for the update); call wake_up() "
+                               "before generating")
+        if not episodes:
+            return []
+        outputs = self.llm.generate([self.prompt(ep) for ep in episodes],
+                                    [self.sampling_params(sampling, row) for row in rows], use_tqdm=False)
+        generated = []
+        for row, episode, output in zip(rows, episodes, outputs):
+            if list(output.prompt_token_ids) != list(episode.input_ids):
+                first = next((k for k, (a, b) in enumerate(zip(output.prompt_token_ids, episode.input_ids)) if a != b),
+                             min(len(output.prompt_token_ids), len(episode.input_ids)))
+                raise RuntimeError(
+                    f"vLLM ran a different prompt from episode {row}'s token ids (first difference at position "
+                    f"{first} of {len(episode.input_ids)}; vLLM's has {len(output.prompt_token_ids)}): its image "
+                    f"processor expanded the frames to other token counts than the encoder's; check that "
+                    f"Episode.images were resized by ChatEncoder.resize")
+            completion = output.outputs[0]
+            ids = [int(t) for t in completion.token_ids]
+            logprobs = None
+            if completion.logprobs is not None:
+                logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, ids)]
+            generated.append(Generated(ids, logprobs))
+        return generated
+
+    # -- weights and memory -----------------------------------------------------------------------------
+
+    def sync_weights(self, model) -> float:
+        """Load `model`'s parameters (a `transformers` policy, or the DeepSpeed engine around one) into
+        the engine through vLLM's in-place reload, `vllm.sync_group_mb` of them at a time; under ZeRO-3
+        each group is gathered from the ranks (a collective: every rank calls this together), never the
+        whole model at once. A group holds whole layers: vLLM fuses a layer's projections (q, k and v
+        into one matrix), and processes a layer once all its tensors have arrived. Returns the seconds
+        it took."""
+        start = time.perf_counter()
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep; call wake_up() before sync_weights()")
+        groups = list(weight_groups(unwrap(model), float(self.settings["sync_group_mb"]) * 2**20))
+        if self.in_process:
+            # One reload over a generator: the engine pulls each group while it is gathered.
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _gathered_weights(groups),
+                                                              "is_checkpoint_format": True})
+        else:
+            # Worker processes take a list each time; layers outside a call keep their weights.
+            for group in groups:
+                with _gathered([param for _, param in group]):
+                    weights = [(name, param.data.detach().cpu()) for name, param in group]
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                                      "is_checkpoint_format": True})
+        self.llm.apply_model(_repack_tied_heads)
+        self.llm.reset_prefix_cache()  # keys and values of the old weights
+        self.llm.llm_engine.reset_encoder_cache()  # image embeddings of the old weights
+        return time.perf_counter() - start
+
+    def sleep(self) -> None:
+        """Release the engine's GPU memory (KV cache dropped, weights offloaded) while the update runs."""
+        if self.on_gpu and self.settings["sleep_mode"] and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
+def weight_groups(module, limit_bytes: float):
+    """`module`'s (name, parameter) pairs in groups of about `limit_bytes` (full sizes), each made of
+    whole blocks: the tensors of one numbered layer (`...layers.3.`, `...blocks.1.`) never straddle two."""
+    group, size, block = [], 0, None
+    for name, param in module.named_parameters():
+        parts = name.split(".")
+        here = next((".".join(parts[: k + 1]) for k, part in enumerate(parts) if part.isdigit()), name)
+        if group and here != block and size >= limit_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, param))
+        size += _full_numel(param) * param.element_size()
+        block = here
+    if group:
+        yield group
+
+
+def _gathered_weights(groups):
+    """(name, tensor) of every group, each group's parameters gathered (ZeRO-3) while they are read."""
+    for group in groups:
+        with _gathered([param for _, param in group]):
+            for name, param in group:
+                yield name, param.data.detach()
+
+
+def _repack_tied_heads(engine_model) -> None:
+    """Rebuild the packed weights of the engine's language-model heads. On the CPU vLLM packs a head's
+    weight into a matmul kernel of its own when the model loads; a head tied to the embedding gets no
+    weights of its own in a reload (only the embedding does), so its kernel would keep multiplying by
+    the old weights."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+
+    for module in engine_model.modules():
+        if isinstance(module, ParallelLMHead) and isinstance(getattr(module, "quant_method", None),
+                                                             UnquantizedEmbeddingMethod):
+            module.quant_method.process_weights_after_loading(module)  # packs on the CPU; nothing on a GPU
+
+
+def _full_numel(param) -> int:
+    """Elements of a parameter, whole: a ZeRO-3 partitioned one reports its full shape in `ds_numel`."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def _gathered(params: list):
+    """Inside, `params` hold their whole data on this rank: gathered when ZeRO-3 partitions them."""
+    import contextlib
+
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
