@@ -188,18 +188,27 @@ def test_weight_sync_follows_an_optimizer_step(vl):
 
 
 def test_same_seed_same_rollout(vl):
+    """Seeded requests replay, whatever the prefix cache holds, and a turn's prompts may take more than one
+    engine step to read (more tokens than `max_num_batched_tokens`, as in the benchmark's rollouts)."""
     model, encoder, decoder = vl
     cfg = config("rollout.max_turns=2")
+    levels, group_size = list(range(7, 19)), 3
 
     def play(sample_seed):
-        episodes, _ = rollout(model, encoder, cfg, seeds=[7], group_size=3, decoder=decoder, sample_seed=sample_seed)
-        return [ep.input_ids for ep in episodes], [[t.sampled_logprobs for t in ep.turns] for ep in episodes]
+        episodes, _ = rollout(model, encoder, cfg, seeds=levels, group_size=group_size, decoder=decoder,
+                              sample_seed=sample_seed)
+        return [ep.input_ids for ep in episodes], [[t.sampled_logprobs for t in ep.turns] for ep in episodes], episodes
 
-    first_ids, first_logprobs = play(21)
-    again_ids, again_logprobs = play(21)  # every prompt now comes from the prefix cache
+    first_ids, first_logprobs, episodes = play(21)
+    step_budget = decoder.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    first_turn_prompts = sum(ep.turns[0].span[0] for ep in episodes)
+    assert first_turn_prompts > step_budget, f"{first_turn_prompts=} should exceed one step's {step_budget} tokens"
+    again_ids, again_logprobs, _ = play(21)  # every prompt now comes from the prefix cache
     assert again_ids == first_ids and again_logprobs == first_logprobs
-    assert len({tuple(ids) for ids in first_ids}) == 3, "members of a group (one level seed) draw their own responses"
-    other_ids, _ = play(22)
+    for group in range(len(levels)):
+        members = first_ids[group * group_size : (group + 1) * group_size]
+        assert len({tuple(ids) for ids in members}) == group_size, "members of a group draw their own responses"
+    other_ids, _, _ = play(22)
     assert other_ids != first_ids
 
 

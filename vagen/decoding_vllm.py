@@ -143,6 +143,12 @@ class VLLMDecoder:
             options["enable_sleep_mode"] = bool(self.settings["sleep_mode"])
         else:
             options["kv_cache_memory_bytes"] = int(float(self.settings["cpu_kv_cache_gib"]) * 2**30)
+            # A prompt prefilled in chunks draws a token after each chunk and throws it away, then rewinds
+            # the request's random generator, which the CPU's generator cannot do ("CPU Generator does
+            # not use offset"): seeded requests would fail once a turn's prompts exceed one step's
+            # token budget. Whole prompts per step instead.
+            options["enable_chunked_prefill"] = False
+            options["max_num_batched_tokens"] = int(self.settings["max_model_len"])
         if encoder.is_vision:
             size = encoder.processor.image_processor.size
             # The encoder's pixel bounds (model.min_pixels/max_pixels included): frames resized under
