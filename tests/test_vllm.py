@@ -21,7 +21,7 @@ import torch
 
 from vagen.config import checkpoints_dir, load_config
 from vagen.decoding_hf import HFDecoder
-from vagen.decoding_vllm import VLLMDecoder
+from vagen.decoding_vllm import DEFAULT_SETTINGS, VLLMDecoder
 from vagen.episode import ChatEncoder
 from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, load_policy, resolve_model_path
 from vagen.rollout import rollout
@@ -234,7 +234,7 @@ def test_models_with_image_hooks_are_refused_before_any_work(model_cache):
     script = f"""
 import sys
 from vagen.config import load_config
-from vagen.decoding_vllm import VLLMDecoder
+from vagen.decoding_vllm import DEFAULT_SETTINGS, VLLMDecoder
 from vagen.episode import ChatEncoder
 from vagen.models import load_policy, resolve_model_path
 path = resolve_model_path("builtin:tiny-vl", {model_cache!r}, seed=0)
@@ -257,3 +257,43 @@ print("vllm imported:", "vllm" in sys.modules)
     for line in refusals:
         assert CENTER_IMAGE_TOKENS in line and "rollout.backend=hf" in line and "standard Qwen2.5-VL" in line, line
     assert lines[-1] == "vllm imported: False", "the refusal came after vLLM was started"
+
+
+def test_weight_sync_from_zero3_gathers_a_group_at_a_time(vl, monkeypatch):
+    import deepspeed
+
+    from vagen.distributed import init_distributed
+
+    model, encoder, decoder = vl
+    init_distributed()  # a group of one (vLLM's, when its engine made it first): DeepSpeed engines need one
+    updated = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in updated.parameters():
+            param.add_(0.02 * torch.randn_like(param))
+    expected = copy.deepcopy(updated).eval()  # the weights whole, for the trainer's log-probs below
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=updated, model_parameters=list(updated.parameters()), config=ds_config)
+    params = list(engine.module.parameters())
+    assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in params), "ZeRO-3 should partition every parameter"
+
+    gathered = []
+    real = deepspeed.zero.GatheredParameters
+
+    def counting(params, *args, **kwargs):
+        gathered.append(len(params))
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", counting)
+    decoder.settings["sync_group_mb"] = 0.5  # the tiny model is 3.4 MB: several groups
+    cfg = config("rollout.max_turns=2")
+    try:
+        decoder.sync_weights(engine)
+        episodes, _ = rollout(expected, encoder, cfg, seeds=[9], group_size=2, decoder=decoder, sample_seed=5)
+        gaps = sampled_gaps(expected, encoder, episodes, 1.0)
+        assert max(gaps) < TOLERANCE, f"after a ZeRO-3 sync: max |vLLM - updated model| {max(gaps):.2e}"
+    finally:
+        decoder.settings["sync_group_mb"] = DEFAULT_SETTINGS["sync_group_mb"]
+        decoder.sync_weights(model)
+    assert sum(gathered) == len(params) and len(gathered) > 1 and max(gathered) < len(params), gathered
