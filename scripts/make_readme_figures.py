@@ -3,9 +3,10 @@
     python scripts/make_readme_figures.py [--config frozenlake_visual] [--iterations 12] [override ...]
 
 Trains the config on this machine (the built-in tiny model, minutes on a laptop CPU), plots its
-curves with `vagen.plot`, evaluates the final checkpoint with videos, and writes two small PNGs into
-docs/figures/: `training_curves.png` (the plot) and `episode_frame.png` (one frame of an episode
-video, the first one in which the agent executed an action).
+curves with `vagen.plot`, evaluates the final checkpoint with videos, and writes three small PNGs into
+docs/figures/: `training_curves.png` (the plot), `episode_frame.png` (one frame of an episode
+video, the first one in which the agent executed an action) and `episode_browser.png` (the
+evaluation's episode browser in headless Chromium, open at that episode).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main() -> int:
     args = parser.parse_args()
     from PIL import Image
 
+    from vagen.browse import screenshot
     from vagen.eval import main as evaluate_main
     from vagen.plot import plot_runs
     from vagen.train import main as train_main
@@ -59,10 +61,11 @@ def main() -> int:
         frames = Image.open(gif)
         frames.seek(min(2, frames.n_frames - 1))  # an action frame, not the opening one
         frames.convert("RGB").save(out / "episode_frame.png", optimize=True)
+        screenshot(eval_dir / "index.html", out / "episode_browser.png", f"seed={chosen['seed']}&turn=1")
         (out / "source.json").write_text(json.dumps({"config": args.config, "iterations": args.iterations,
                                                      "overrides": args.overrides, "video": gif.name,
                                                      "eval": results["model"]}, indent=2))
-    for name in ("training_curves.png", "episode_frame.png"):
+    for name in ("training_curves.png", "episode_frame.png", "episode_browser.png"):
         print(out / name, os.path.getsize(out / name), "bytes")
     return 0
 

@@ -209,6 +209,8 @@ class EvalConfig:
 class LogConfig:
     tensorboard: bool = _f(True, "write tensorboard events")
     progress: bool = _f(True, "show a progress bar")
+    trackers: list[str] = _f(["tensorboard"], "where metrics go besides metrics.jsonl: any of tensorboard (needs "
+                                              "log.tensorboard=true), wandb, mlflow, trackio (vagen.trackers)")
 
 
 @dataclass
@@ -394,6 +396,7 @@ def validate(cfg: Config) -> None:
             "(KL as a loss term) or use algo.adv_estimator=turn_gae or gae"
         )
     _check_state_reward(cfg)
+    _check_trackers(cfg.log.trackers)
     if cfg.env.step_timeout is not None and not cfg.env.step_timeout > 0:
         raise ConfigError(f"env.step_timeout={cfg.env.step_timeout} must be > 0 seconds, or null for no limit")
     if tr.keep_checkpoints is not None and tr.keep_checkpoints < 1:
@@ -450,6 +453,17 @@ def _check_state_reward(cfg: Config) -> None:
                               f"config.json in {judge}; download the model beforehand and pass its directory")
 
 
+def _check_trackers(names: list) -> None:
+    from vagen.trackers import TRACKERS
+
+    for name in names:
+        if name not in TRACKERS:
+            raise ConfigError(f"log.trackers={names}: {name!r} is not a tracker{_closest(str(name), TRACKERS)} "
+                              f"choices: {', '.join(TRACKERS)}")
+    if len(set(names)) < len(names):
+        raise ConfigError(f"log.trackers={names} names a tracker twice; list each once")
+
+
 def kept_groups(cfg: Config) -> int:
     """Level groups an iteration trains after the reward-std filter (all of them without it)."""
     if cfg.algo.filter_mode == "none":
@@ -489,6 +503,11 @@ def check_training(cfg: Config) -> None:
                 f"with \"bf16\": {{\"enabled\": true}} (fp32 master weights), e.g. "
                 f"train.deepspeed_config=deepspeed/zero2_bf16.json, or model.dtype=float32"
             )
+    from vagen.trackers import missing_packages_error
+
+    problem = missing_packages_error(cfg.log.trackers)  # before any work, not at the first log
+    if problem:
+        raise ConfigError(problem)
 
 
 # -- typed assignment ------------------------------------------------------------------------------

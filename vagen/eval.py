@@ -8,8 +8,9 @@
 
 Writes `results.json` and a Markdown table `results.md` into the output directory (default:
 `<checkpoint>/eval`, for a shipped warm start `<train.run_dir>/eval/NAME`), and episode videos
-(mp4 + GIF) under `videos/`. Seeds are the evaluation seeds (>= 1e9), disjoint from every training
-seed. Decoding is greedy unless `eval.do_sample=true`.
+(mp4 + GIF) under `videos/`, and the episode browser `index.html` with its `frames/` (vagen.browse).
+Seeds are the evaluation seeds (>= 1e9), disjoint from every training seed. Decoding is greedy unless
+`eval.do_sample=true`.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
     of ranks plays the same episodes, and the caller's random state is left as it was. With `desc`,
     a progress bar of that name counts this rank's episodes as they end. `decoder`: the engine to decode
     with (default: `rollout.backend` over `model`)."""
+    from vagen.browse import episode_data, write_browser
     from vagen.console import progress_bar
     from vagen.decoding import own_draws
     from vagen.episode import eval_seeds
@@ -168,6 +170,7 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
         if hasattr(env, "close"):
             env.close()
     records = sorted(_gather(records, dist), key=lambda r: r["seed"])
+    browsed = _gather(episode_data(played), dist)  # every rank's turns and frames, for the episode browser
     for policy in references:
         references[policy] = _gather(references[policy], dist)
     summary = summarize(records)
@@ -179,6 +182,7 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
                   "episodes": records}
         (out_dir / "results.json").write_text(json.dumps(result, indent=2))
         (out_dir / "results.md").write_text(results_table(cfg.env.name, summary, reference_rows))
+        write_browser(out_dir, cfg, browsed)
     summary = dict(summary)
     summary["videos"] = len(written)
     return summary

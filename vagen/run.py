@@ -1,10 +1,11 @@
-"""The run directory: resolved config, metrics (JSON lines and tensorboard), progress bar,
+"""The run directory: resolved config, metrics (JSON lines and vagen.trackers), progress bar,
 checkpoints with a pointer to the latest, resuming, and periodic evaluation.
 
     runs/<config>-<time>/
         config.yaml                 the resolved config (reproduce with --config runs/.../config.yaml)
         metrics.jsonl               one JSON object per iteration (slash-named metrics, warnings)
-        events.out.tfevents.*       tensorboard
+        events.out.tfevents.*       tensorboard (log.trackers: see vagen.trackers for wandb/, mlflow.db, trackio)
+        trackers.json               the tracker runs' ids and last logged iterations, for resuming
         checkpoints/step_N/actor/   Hugging Face format (model + processor), loadable with from_pretrained
         checkpoints/step_N/critic/  critic backbone + value head
         checkpoints/step_N/deepspeed/  engine states (optimizer, scheduler) for resuming
@@ -111,18 +112,13 @@ class Progress:
 
 
 class RunDir:
-    def __init__(self, path: Path, dist: Dist, tensorboard: bool, purge_step: int | None = None):
+    def __init__(self, path: Path, dist: Dist):
         self.path = path
         self.dist = dist
         self.is_main = dist.rank == 0
         self.t0 = time.time()
-        self.writer = None
+        self.trackers = None  # vagen.trackers.Trackers on rank 0
         self.resume_from: Path | None = None
-        if self.is_main and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step: TensorBoard drops the events a killed run wrote after its last checkpoint
-            self.writer = SummaryWriter(str(path), purge_step=purge_step)
 
     # -- creation and resuming ------------------------------------------------------------------------
     @classmethod
@@ -143,8 +139,13 @@ class RunDir:
                 path.mkdir(parents=True, exist_ok=cfg.train.run_name is not None)
             (path / "config.yaml").write_text(to_yaml(cfg))
         path, resume_from = _broadcast((path, resume_from), dist)
-        run = cls(Path(path), dist, cfg.log.tensorboard, purge_step=first)
+        run = cls(Path(path), dist)
         run.resume_from = resume_from
+        if run.is_main:  # a resumed run continues its tracker runs from `first`
+            from vagen.trackers import Trackers
+
+            names = [n for n in cfg.log.trackers if n != "tensorboard" or cfg.log.tensorboard]
+            run.trackers = Trackers(names, run.path, cfg.to_dict(), cfg.name, first)
         return run
 
     def maybe_resume(self, cfg: Config, actor_engine, critic_engine, monitor, tracked: dict | None = None) -> int:
@@ -185,11 +186,8 @@ class RunDir:
         record["warnings"] = warnings
         with open(self.path / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for key, value in stats.items():
-                if math.isfinite(value):
-                    self.writer.add_scalar(key, value, it)
-            self.writer.flush()
+        if self.trackers is not None:
+            self.trackers.log(it, stats, warnings)
         from tqdm import tqdm
 
         for warning in warnings:
@@ -221,8 +219,8 @@ class RunDir:
                         keep=cfg.train.keep_checkpoints)
 
     def finish(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self.trackers is not None:
+            self.trackers.close()
         if self.is_main:
             print(f"run directory: {self.path}", flush=True)
             print(f"evaluate it: {eval_command(self.path)}", flush=True)
