@@ -1,7 +1,13 @@
-"""Run by tests/test_update.py in a process of its own: the peak memory of one actor forward and
-backward through `vagen.update.token_logprobs` on a Qwen2.5-VL-shaped bf16 model with the real
-vocabulary (151,936 entries) and a tiny hidden size. Prints JSON: the rise of resident memory above
-where it stood before the step, and the size of one bf16 [positions, vocab] logits tensor."""
+"""Run by the tests in a process of its own, at the real vocabulary (151,936 entries) and a tiny hidden
+size; prints JSON with the rise of resident memory above where it stood before the measured work.
+
+    memory_worker.py [update]      one actor forward and backward through `vagen.update.token_logprobs`
+                                   on a Qwen2.5-VL-shaped bf16 model; also the size of one bf16
+                                   [positions, vocab] logits tensor
+    memory_worker.py judge PATH    `vagen.state_reward.StateJudge` scoring 8 pairs (16 rows of ~120 tokens)
+                                   with a bf16 causal LM and the tokenizer at PATH; also the size of the
+                                   whole float32 [rows, width, vocab] log-softmax
+"""
 
 import json
 import sys
@@ -23,7 +29,37 @@ def status(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def judge(tokenizer_path: str) -> None:
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from vagen.state_reward import StateJudge
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    out = Path("judge")
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out)
+    scorer = StateJudge(str(out), batch_size=8, dtype="bfloat16")
+    truth = "The player is at row 2, column 3. " * 8
+    pairs = [(truth, f"The player is at row {i}, column 1. " * 6) for i in range(8)]
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    scores = scorer.score(pairs)
+    peak = status("VmHWM")
+    width = max(len(scorer.tokenizer.encode(scorer.PROMPT.format(truth=t, description=d))) for t, d in pairs) + 2
+    json.dump({"rise": peak - before, "full_logits": 16 * width * VOCAB * 4, "width": width,
+               "dtype": str(next(scorer.model.parameters()).dtype),
+               "scores_in_range": all(0.0 <= x <= 1.0 for x in scores)}, sys.stdout)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "judge":
+        return judge(sys.argv[2])
     torch.manual_seed(0)
     torch.set_num_threads(1)
     text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

@@ -218,34 +218,36 @@ def test_different_levels_get_different_reasoning():
     assert len(thoughts) > 40
 
 
-class ScriptedModel(torch.nn.Module):
-    """A stand-in for an HF model whose `generate` appends given ids (plus <|im_end|>) per row."""
+class ScriptedDecoder:
+    """A `vagen.decoding.Decoder` that answers each episode's turn k with its given ids (plus <|im_end|>)."""
 
     def __init__(self, replies, im_end):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1))
         self.replies, self.im_end, self.calls = replies, im_end, 0
 
-    def generate(self, input_ids, **kwargs):
-        new = [reply[self.calls] + [self.im_end] for reply in self.replies]
+    def start_rollout(self):
+        self.calls = 0
+
+    def any_rank(self, flag):
+        return flag
+
+    def generate(self, episodes, rows, sampling):
+        from vagen.decoding import Generated
+
         self.calls += 1
-        width = max(len(n) for n in new)
-        rows = [n + [self.im_end] * (width - len(n)) for n in new]
-        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+        return [Generated(self.replies[row][self.calls - 1] + [self.im_end]) for row in rows]
 
 
 @pytest.mark.parametrize("config,fixture", [("frozenlake_visual", "tiny_vl"), ("sokoban_text", "tiny_text")])
 def test_demo_episode_is_the_episode_rollout_builds(config, fixture, request):
     _, _, processor = request.getfixturevalue(fixture)
     encoder = ChatEncoder(processor)
-    # the scripted model stands in for transformers' generate, which rollout calls without the turn cache
-    cfg = load_config(config, ["rollout.max_new_tokens=64", "rollout.reuse_cache=false"])
+    cfg = load_config(config, ["rollout.max_new_tokens=64"])
     # episodes of the same length so that every row of the scripted batch plays every turn
     demos = [d for d in collect_demos(cfg.env, "teacher", 40, cfg.rollout.max_turns)
              if len(d.responses) == cfg.rollout.max_turns][:2]
     episodes = [demo_episode(d, make_env(cfg.env), encoder) for d in demos]
-    model = ScriptedModel([[encoder.encode_text(r) for r in d.responses] for d in demos], encoder.im_end_id)
-    played, _ = rollout(model, encoder, cfg, [d.seed for d in demos], 1)
+    decoder = ScriptedDecoder([[encoder.encode_text(r) for r in d.responses] for d in demos], encoder.im_end_id)
+    played, _ = rollout(None, encoder, cfg, [d.seed for d in demos], 1, decoder=decoder)
     for ours, theirs in zip(episodes, played):
         assert ours.input_ids == theirs.input_ids
         assert [t.span for t in ours.turns] == [t.span for t in theirs.turns]

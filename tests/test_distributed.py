@@ -58,3 +58,17 @@ def test_two_cpu_ranks_with_equal_and_unequal_shares_match_a_plain_update_of_who
         assert moved > 1e-3  # the update really changed the parameters
     # groups are numbered rank * 2 + local id; the two that vary most (rank 0's) are kept, one per rank
     assert results["filter"] == [[(0, 0.0), (0, 1.0)], [(1, 0.0), (1, 3.0)]]
+
+
+def test_a_rank_left_without_trajectories_makes_every_rank_raise_the_same_error():
+    """Every episode of rank 1's groups failed at reset: both ranks refuse with one message, instead of
+    rank 1 raising while rank 0 waits in the next collective until the timeout."""
+    worker = Path(__file__).parent / "empty_rank_worker.py"
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, str(worker)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
+    lines = [out.strip().splitlines()[-1] for out, _ in outputs]
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith("raised: this iteration has 1 level group(s) to train") and "for 2 ranks" in lines[0]

@@ -2,18 +2,19 @@ import types
 
 import pytest
 import torch
+from hf_generate import GenerateDecoder, decode, generate
 
 from vagen.config import load_config
-from vagen.decoding_hf import TurnGenerator
+from vagen.decoding_hf import HFDecoder
 from vagen.episode import ChatEncoder, Episode
 from vagen.rollout import rollout
 
 
-def _play(model, processor, config, reuse, *extra, seeds=(3, 4), group_size=3):
+def _play(model, processor, config, reuse, *extra, seeds=(3, 4), group_size=3, decoder=None):
     cfg = load_config(config, ["rollout.max_new_tokens=10", "rollout.max_turns=3", f"rollout.reuse_cache={reuse}",
                                *extra])
     torch.manual_seed(0)
-    episodes, _ = rollout(model, ChatEncoder(processor), cfg, list(seeds), group_size)
+    episodes, _ = rollout(model, ChatEncoder(processor), cfg, list(seeds), group_size, decoder=decoder)
     return episodes
 
 
@@ -25,15 +26,17 @@ def _play(model, processor, config, reuse, *extra, seeds=(3, 4), group_size=3):
 def test_a_cache_kept_across_turns_gives_the_episodes_of_generate_over_the_whole_history(config, fixture, extra,
                                                                                           request):
     _, model, processor = request.getfixturevalue(fixture)
-    whole = _play(model, processor, config, False, *extra)
+    whole = _play(model, processor, config, True, *extra, decoder=GenerateDecoder(model, ChatEncoder(processor)))
     cached = _play(model, processor, config, True, *extra)
+    uncached = _play(model, processor, config, False, *extra)  # rollout.reuse_cache=false: the cache goes every turn
     assert all(len(ep.turns) == 3 for ep in whole)
-    assert [ep.input_ids for ep in cached] == [ep.input_ids for ep in whole]  # same tokens, same random draws
-    assert [[t.response for t in ep.turns] for ep in cached] == [[t.response for t in ep.turns] for ep in whole]
+    for played in (cached, uncached):
+        assert [ep.input_ids for ep in played] == [ep.input_ids for ep in whole]  # same tokens, same random draws
+        assert [[t.response for t in ep.turns] for ep in played] == [[t.response for t in ep.turns] for ep in whole]
 
 
 def test_episodes_that_end_leave_the_cache_and_the_others_go_on(tiny_vl):
-    from vagen.rollout import generate, make_env
+    from vagen.rollout import make_env
 
     _, model, processor = tiny_vl
     encoder = ChatEncoder(processor)
@@ -46,9 +49,9 @@ def test_episodes_that_end_leave_the_cache_and_the_others_go_on(tiny_vl):
         ids, pixels, grids = encoder.user_segment(obs.text, obs.images, first=True, system=episode.system_prompt)
         episode.input_ids, episode.pixel_values, episode.image_grid_thw = ids, pixels, grids
         episodes.append(episode)
-    generator = TurnGenerator(model, encoder)
+    generator = HFDecoder(model, encoder)
     options = dict(max_new_tokens=6, temperature=0.0, top_p=1.0, top_k=0)
-    first = generator.generate(episodes, [0, 1, 2], **options)
+    first = decode(generator, episodes, [0, 1, 2], **options)
     assert first == generate(model, encoder, episodes, **options)
     # the middle episode ends; the others get their answer closed and a second frame
     for k in (0, 2):
@@ -59,7 +62,7 @@ def test_episodes_that_end_leave_the_cache_and_the_others_go_on(tiny_vl):
         episodes[k].pixel_values += pixels
         episodes[k].image_grid_thw += grids
     going_on = [episodes[0], episodes[2]]
-    assert generator.generate(going_on, [0, 2], **options) == generate(model, encoder, going_on, **options)
+    assert decode(generator, going_on, [0, 2], **options) == generate(model, encoder, going_on, **options)
     assert generator.rows == [0, 2] and generator.mask.shape[0] == 2
 
 
@@ -73,15 +76,15 @@ def test_the_cache_refuses_histories_it_cannot_continue(tiny_text):
     _, model, tokenizer = tiny_text
     encoder = ChatEncoder(tokenizer)
     episodes = [_episode(encoder, "Left is free."), _episode(encoder, "Up is a wall.")]
-    generator = TurnGenerator(model, encoder)
-    for episode, new in zip(episodes, generator.generate(episodes, [0, 1], 4, temperature=0.0, top_p=1.0, top_k=0)):
+    generator = HFDecoder(model, encoder)
+    for episode, new in zip(episodes, decode(generator, episodes, [0, 1], 4, temperature=0.0, top_p=1.0, top_k=0)):
         episode.input_ids += encoder.finish_response(new)[0] + encoder.encode_text("\n<|im_start|>user\nAgain.")
-    generator.generate(episodes[1:], [1], 4, temperature=0.0, top_p=1.0, top_k=0)
+    decode(generator, episodes[1:], [1], 4, temperature=0.0, top_p=1.0, top_k=0)
     with pytest.raises(ValueError, match=r"episodes \[0\] are not in the cache"):
-        generator.generate(episodes, [0, 1], 4, temperature=0.0, top_p=1.0, top_k=0)
+        decode(generator, episodes, [0, 1], 4, temperature=0.0, top_p=1.0, top_k=0)
     episodes[1].input_ids = encoder.encode_text("a different history")
     with pytest.raises(RuntimeError, match="no longer starts with the tokens in the cache"):
-        generator.generate(episodes[1:], [1], 4, temperature=0.0, top_p=1.0, top_k=0)
+        decode(generator, episodes[1:], [1], 4, temperature=0.0, top_p=1.0, top_k=0)
 
 
 class ScriptedLM(torch.nn.Module):
@@ -110,8 +113,8 @@ def test_a_row_stops_at_the_end_of_its_answer_or_at_its_stop_token(tiny_text):
     model = ScriptedLM([answer + junk * 4, left + [encoder.im_end_id] + junk * 8], len(tokenizer))
     episodes = [_episode(encoder, "Where now?"), _episode(encoder, "And here?")]
     prompts = [list(ep.input_ids) for ep in episodes]
-    generator = TurnGenerator(model, encoder)
-    out = generator.generate(episodes, [0, 1], 12, temperature=0.0, top_p=1.0, top_k=0)
+    generator = HFDecoder(model, encoder)
+    out = decode(generator, episodes, [0, 1], 12, temperature=0.0, top_p=1.0, top_k=0)
     assert out == [answer, left + [encoder.im_end_id]]
     # the last token of each row was never fed, so the next turn starts with it
     assert generator.fed == {0: prompts[0] + answer[:-1], 1: prompts[1] + left}
@@ -152,7 +155,7 @@ def test_tokens_are_drawn_where_the_logits_are(tiny_text, top_p):
     recorder = HostCopies(vocab_size)
     torch.manual_seed(0)
     with recorder:
-        out = TurnGenerator(model, encoder).generate(episodes, [0, 1, 2], 6, temperature=1.0, top_p=top_p, top_k=0)
+        out = decode(HFDecoder(model, encoder), episodes, [0, 1, 2], 6, temperature=1.0, top_p=top_p, top_k=0)
     assert all(len(ids) > 0 for ids in out)
     # Only the drawn ids leave the model's device, never a [rows, vocab] tensor (0.23 s a step at 32 rows).
     assert recorder.copies == [], f"[rows, vocab] tensors copied to the host: {recorder.copies}"
@@ -167,7 +170,7 @@ def test_a_seed_gives_the_same_draws_and_another_seed_other_draws(tiny_text):
     def draw(seed):
         episodes = [_episode(encoder, "Left is free."), _episode(encoder, "Up is a wall.")]
         torch.manual_seed(seed)
-        return TurnGenerator(model, encoder).generate(episodes, [0, 1], 8, temperature=1.0, top_p=1.0, top_k=0)
+        return decode(HFDecoder(model, encoder), episodes, [0, 1], 8, temperature=1.0, top_p=1.0, top_k=0)
 
     first = draw(1)
     assert draw(1) == first
@@ -179,7 +182,7 @@ def test_a_seed_gives_the_same_draws_and_another_seed_other_draws(tiny_text):
 def test_on_a_gpu_the_draws_are_those_of_generate(tiny_vl, top_p):
     import copy
 
-    from vagen.rollout import generate, make_env
+    from vagen.rollout import make_env
 
     _, model, processor = tiny_vl
     model = copy.deepcopy(model).to("cuda")
@@ -198,6 +201,6 @@ def test_on_a_gpu_the_draws_are_those_of_generate(tiny_vl, top_p):
     recorder = HostCopies(model.get_output_embeddings().weight.shape[0])
     torch.manual_seed(5)
     with recorder:
-        drawn = TurnGenerator(model, encoder).generate(episodes, [0, 1, 2], **options)
+        drawn = decode(HFDecoder(model, encoder), episodes, [0, 1, 2], **options)
     assert drawn == expected
     assert recorder.copies == [], f"[rows, vocab] tensors copied to the host: {recorder.copies}"

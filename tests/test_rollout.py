@@ -59,8 +59,10 @@ def test_generate_ignores_the_checkpoints_own_generation_settings(tiny_text):
     transformers would apply to every option a call leaves unset; rollouts must sample as configured."""
     import copy
 
+    from hf_generate import batch_generation_inputs, decode
+
+    from vagen.decoding_hf import HFDecoder
     from vagen.episode import Episode
-    from vagen.rollout import batch_generation_inputs, generate
 
     _, model, tokenizer = tiny_text
     encoder = ChatEncoder(tokenizer)
@@ -69,11 +71,11 @@ def test_generate_ignores_the_checkpoints_own_generation_settings(tiny_text):
         episode = Episode("bandit", seed=0, group_id=0, system_prompt="Choose.")
         episode.input_ids, _, _ = encoder.user_segment(text, [], first=True, system="Choose.")
         episodes.append(episode)
-    clean = generate(model, encoder, episodes, 12, temperature=0.0, top_p=1.0, top_k=0)
+    clean = decode(HFDecoder(model, encoder), episodes, [0, 1], 12, temperature=0.0)
     penalised = copy.deepcopy(model)
     penalised.generation_config.repetition_penalty = 50.0
     penalised.generation_config.no_repeat_ngram_size = 1
-    assert generate(penalised, encoder, episodes, 12, temperature=0.0, top_p=1.0, top_k=0) == clean
+    assert decode(HFDecoder(penalised, encoder), episodes, [0, 1], 12, temperature=0.0) == clean
     assert penalised.generation_config.repetition_penalty == 50.0  # the checkpoint keeps its own settings
     # where transformers applies them, they change what this model decodes
     batch = batch_generation_inputs(encoder, episodes)

@@ -144,9 +144,32 @@ def test_cosine_learning_rate_decay_reaches_zero_at_its_step(distributed):
         engine.backward(engine(torch.ones(1, 2)).sum())
         engine.step()
         seen.append(engine.get_lr()[0])
-    # after the 2 warm-up steps: 1e-2, half way through the remaining 8 steps 5e-3, then 0 and held there
-    assert seen[1] == pytest.approx(1e-2) and seen[5] == pytest.approx(5e-3) and seen[9:] == [0.0, 0.0, 0.0]
+    # a linear warm-up over steps 0-1 (0, 5e-3), then a cosine from 1e-2 that is half way (5e-3) at step 5 and
+    # reaches 0 at step 9, held there
+    assert seen[0] == 0.0 and seen[1] == pytest.approx(5e-3) and seen[5] == pytest.approx(5e-3)
+    assert seen[9:] == [0.0, 0.0, 0.0] and max(seen) < 1e-2
     assert load_config("sokoban_visual").train.lr_decay_steps == 0  # constant unless asked
+
+
+@pytest.mark.parametrize("decay", [0, 1000])
+def test_learning_rate_warm_up_is_linear(distributed, decay):
+    """A 100-step warm-up is at 10% of the peak after 10 steps (DeepSpeed's default, logarithmic, is at 50%)."""
+    import torch
+
+    from vagen.train import make_engine
+
+    cfg = load_config("sokoban_visual", ["train.mini_batch_size=1", "train.micro_batch_size=1",
+                                         "train.warmup_steps=100", f"train.lr_decay_steps={decay}"])
+    engine = make_engine(torch.nn.Linear(2, 1), cfg, 1e-2, distributed)
+    seen = []
+    for _ in range(101):
+        engine.backward(engine(torch.ones(1, 2)).sum())
+        engine.step()
+        seen.append(engine.get_lr()[0])  # seen[k]: the rate of step k
+    assert seen[0] == 0.0
+    assert seen[10] == pytest.approx(1e-3, rel=1e-6)
+    assert seen[50] == pytest.approx(5e-3, rel=1e-6)
+    assert seen[100] == pytest.approx(1e-2, rel=1e-3)
 
 
 def test_zero3_trains_and_saves_one_model_on_a_cpu(tmp_path, model_cache, distributed):

@@ -43,6 +43,15 @@ def test_a_bfloat16_model_needs_a_deepspeed_config_with_bf16():
                                                   "train.deepspeed_config=deepspeed/zero2_bf16.json"]))
 
 
+@pytest.mark.parametrize("deepspeed", ["deepspeed/zero2_bf16.json", "deepspeed/zero3_bf16.json"])
+def test_a_float32_model_with_a_bf16_deepspeed_config_is_refused_before_any_work(deepspeed):
+    """DeepSpeed would cast actor and critic to bfloat16 while the reference stays float32."""
+    with pytest.raises(ConfigError, match=rf"model.dtype=float32 with train.deepspeed_config={deepspeed}, which "
+                                          r"enables bfloat16.*reference.*zero0_fp32.json.*model.dtype=bfloat16"):
+        check_training(load_config("sokoban_visual", [f"train.deepspeed_config={deepspeed}"]))
+    check_training(load_config("sokoban_visual", [f"train.deepspeed_config={deepspeed}", "model.dtype=bfloat16"]))
+
+
 def test_kl_in_the_reward_of_grpo_is_refused():
     with pytest.raises(ConfigError, match=r"algo.kl_in_reward=true.*grpo uses only each trajectory's score.*"
                                           r"set algo.kl_in_reward=false"):

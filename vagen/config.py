@@ -37,7 +37,9 @@ class ModelConfig:
     path: str = _f("builtin:tiny-vl", "the checkpoint training starts from, trained as given: a local HF checkpoint "
                                       "dir, a shipped warm start assets:NAME (assets/checkpoints/NAME), or a random "
                                       "built-in builtin:tiny-vl / builtin:tiny-text")
-    critic_path: str | None = _f(None, "critic init checkpoint; null = same weights as the actor")
+    critic_path: str | None = _f(None, "critic init: a checkpoint the actor could start from (its weights, a new value "
+                                       "head), or a critic vagen saved (runs/<run>/checkpoints/step_N[/critic], "
+                                       "backbone and value head); null = the actor's weights")
     dtype: str = _f("float32", "parameter dtype: float32 | bfloat16")
     builtin_cache: str = _f("~/.cache/vagen", "where built-in tiny models are built and cached")
     builtin_seed: int = _f(0, "initialisation seed of a built-in model; not train.seed, so that training "
@@ -128,7 +130,8 @@ class AlgoConfig:
 @dataclass
 class TrainConfig:
     iterations: int = _f(100, "rollout + update iterations")
-    seed: int = _f(0, "seed for sampling, level seeds and the critic head (a built-in's weights: model.builtin_seed)")
+    seed: int = _f(0, "seed for sampling, level seeds and mini-batch order (a built-in's weights: model.builtin_seed; "
+                      "the critic's value head starts at zero)")
     actor_lr: float = _f(1e-6, "actor learning rate")
     critic_lr: float = _f(1e-5, "critic learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
@@ -488,15 +491,26 @@ def check_training(cfg: Config) -> None:
             f"to train on it anyway"
         )
     path = CONFIGS_DIR / cfg.train.deepspeed_config
-    if cfg.model.dtype == "bfloat16" and path.exists():
+    if path.exists():
         import json
 
         try:
-            bf16 = json.loads(path.read_text()).get("bf16", {}).get("enabled", False)
+            settings = json.loads(path.read_text())
+            bf16 = settings.get("bf16", {}).get("enabled", False)
+            fp16 = settings.get("fp16", {}).get("enabled", False)
         except (json.JSONDecodeError, AttributeError) as err:
             raise ConfigError(f"train.deepspeed_config={cfg.train.deepspeed_config}: {path} is not a JSON object "
                               f"of DeepSpeed settings ({err})") from None
-        if not bf16:
+        if cfg.model.dtype == "float32" and (bf16 or fp16):
+            half = "bfloat16" if bf16 else "float16"
+            raise ConfigError(
+                f"model.dtype=float32 with train.deepspeed_config={cfg.train.deepspeed_config}, which enables {half}: "
+                f"DeepSpeed would cast the actor and critic to {half} while the reference (and vLLM) keep float32, "
+                f"so the KL is not 0 at the first iteration and the reference takes twice the memory; use a float32 "
+                f"DeepSpeed config (train.deepspeed_config=deepspeed/zero0_fp32.json or deepspeed/zero3_fp32.json)"
+                + (", or set model.dtype=bfloat16 to train in it" if bf16 else "")
+            )
+        if cfg.model.dtype == "bfloat16" and not bf16:
             raise ConfigError(
                 f"model.dtype=bfloat16 with train.deepspeed_config={cfg.train.deepspeed_config}, which does not enable "
                 f"bf16: AdamW would update bfloat16 weights directly and round updates of 1e-6 away; use a config "

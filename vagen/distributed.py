@@ -24,10 +24,6 @@ class Dist:
     def active(self) -> bool:
         return initialized() and self.world_size > 1
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 def initialized() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -173,9 +169,3 @@ class Lockstep:
         values = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=self.device)
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
         return [bool(v) for v in values.tolist()]
-
-    def most(self, count: int) -> int:
-        """The largest `count` of any rank (a collective call when on)."""
-        if not self.on:
-            return count
-        return int(all_reduce(torch.tensor([count], dtype=torch.float64), "max")[0])

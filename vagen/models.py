@@ -437,7 +437,27 @@ def load_policy(path: Path, dtype: str = "float32", min_pixels: int | None = Non
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
         processor = AutoTokenizer.from_pretrained(path)
+    disable_dropout(model)
     return model, processor
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability of `model` to 0, in its modules and its config. Rollouts sample from
+    the model in eval mode; the update computes log-probabilities in train mode (gradient checkpointing
+    runs only there), and with dropout those would be another function, so the first PPO ratio would
+    not be 1 (Qwen2.5-VL has none; other checkpoints do)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    configs = [model.config] + [getattr(model.config, k) for k in ("text_config", "vision_config")
+                                if hasattr(model.config, k)]
+    for config in configs:
+        for name, value in list(vars(config).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(config, name, 0.0)
 
 
 def tokenizer_of(processor):
@@ -600,6 +620,7 @@ class ValueModel(nn.Module):
         torch.save(head_state or self.value_head.state_dict(), out_dir / "value_head.pt")
 
     def load(self, out_dir: Path) -> None:
+        """The backbone and value head `save` wrote into `out_dir`."""
         from safetensors.torch import load_file
 
         out_dir = Path(out_dir)
@@ -607,9 +628,23 @@ class ValueModel(nn.Module):
         for shard in sorted((out_dir / "backbone").glob("*.safetensors")):
             state.update(load_file(shard))
         missing, unexpected = self.backbone.load_state_dict(state, strict=False)
-        if unexpected:
-            raise RuntimeError(f"critic checkpoint {out_dir} does not match the model: unexpected {unexpected[:5]}")
+        if unexpected or missing:
+            raise RuntimeError(f"critic checkpoint {out_dir} does not match the model: unexpected {unexpected[:5]}, "
+                               f"missing {missing[:5]}; pass a critic saved from the same architecture")
         self.value_head.load_state_dict(torch.load(out_dir / "value_head.pt", weights_only=True))
+
+
+def saved_critic(path: str | Path) -> Path | None:
+    """The critic directory (backbone/ and value_head.pt, as `ValueModel.save` writes it) that `path`
+    names: itself, a checkpoint's `critic/`, or the latest checkpoint's of a run directory; None when
+    `path` holds no saved critic."""
+    p = Path(os.path.expanduser(str(path)))
+    if (p / "checkpoints" / "latest").exists():
+        p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
+    for candidate in (p, p / "critic"):
+        if (candidate / "value_head.pt").exists() and (candidate / "backbone").is_dir():
+            return candidate
+    return None
 
 
 def set_pixel_bounds(processor, min_pixels: int | None, max_pixels: int | None) -> None:

@@ -193,15 +193,32 @@ def env_error_summary(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}{where}"
 
 
-def rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """Means over episodes of success, return, turns, format and validity rates, response length, and
-    over the turns that have them, the state scores of their graded fields (after the state reward's
-    repetition check, when it ran)."""
+GRADED_SCORES = (("observation", "grounding_score"), ("prediction", "worldmodel_score"))
+
+
+def graded_scores(env) -> tuple[str, ...]:
+    """The info keys of the state scores `env` grades every turn in its prompt format: `grounding_score`
+    where the format has an <observation>, `worldmodel_score` where it has a <prediction>, none for an
+    env whose state is not graded."""
+    from envs_visual.base import PROMPT_FORMATS
+
+    fields = PROMPT_FORMATS[env.prompt_format] or ()
+    return tuple(key for name, key in GRADED_SCORES if name in fields) if env.state_weights else ()
+
+
+def rollout_metrics(episodes: list[Episode], graded: tuple[str, ...] = ()) -> dict[str, float]:
+    """Means over episodes of success, return, turns, format and validity rates, response length, and the
+    state scores of graded fields (after the state reward's repetition check, when it ran): for the
+    `graded` keys (`graded_scores`) over every turn, a turn whose description did not parse counting 0,
+    so the curve exists from the first iteration; for others over the turns that have them."""
     def mean(values):
         values = list(values)
         return float(sum(values) / len(values)) if values else 0.0
 
     turns = [t for ep in episodes for t in ep.turns]
+    scores = {key: [t.info[key] for t in turns if t.info.get(key) is not None] for _, key in GRADED_SCORES}
+    for key in graded:
+        scores[key] = [t.info.get(key) or 0.0 for t in turns]
     return {
         "rollout/success": mean(ep.success for ep in episodes),
         "rollout/reward_mean": mean(ep.total_reward for ep in episodes),
@@ -213,7 +230,6 @@ def rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
         "rollout/response_length": mean(t.response_length for t in turns),
         "rollout/truncated_trajectories": float(sum(ep.truncated_by_length for ep in episodes)),
         "rollout/env_errors": float(sum(ep.error is not None for ep in episodes)),
-        # how well the graded fields match the true state (turns that have them), whether or not they are rewarded
-        **{f"rollout/{key}": mean(scores) for key in ("grounding_score", "worldmodel_score")
-           if (scores := [t.info[key] for t in turns if t.info.get(key) is not None])},
+        # how well the graded fields match the true state, whether or not they are rewarded
+        **{f"rollout/{key}": mean(values) for key, values in scores.items() if values},
     }

@@ -21,12 +21,10 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from vagen.config import Config, to_yaml
+from vagen.distributed import Dist, barrier, broadcast_object, gather_objects
 
 # Metrics that are counts per rank: summed over ranks instead of averaged.
 # Filter metrics are computed over all ranks at once (vagen.update.filter_groups): averaged, not summed.
@@ -34,81 +32,16 @@ SUMMED_METRICS = ("rollout/truncated_trajectories", "rollout/generated_tokens", 
                   "rollout/env_errors")
 
 
-@dataclass
-class Dist:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-    @property
-    def active(self) -> bool:
-        return torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1
-
-
-def cpu_threads(local_world: int) -> int:
-    """Torch threads for one of `local_world` processes on this machine's CPU: OMP_NUM_THREADS when
-    set (the user's or the launcher's choice), else the cores shared out evenly."""
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    if value:
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"OMP_NUM_THREADS={value!r} is not a positive whole number; set it to the threads "
-                             f"each process may use (e.g. 1), or unset it to share the cores out evenly")
-        return int(value)
-    return max(1, (os.cpu_count() or 1) // local_world)
-
-
-def leave_process_group(code: int) -> int:
-    """End of a command-line entry point: leave the process group (NCCL warns at exit otherwise)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    return code
-
-
 def reduce_metrics(stats: dict[str, float], dist: Dist) -> dict[str, float]:
     """Average metrics over ranks (sum the counts); keys missing on a rank are averaged over the rest."""
     if not dist.active:
         return dict(stats)
-    gathered: list[dict] = [None] * dist.world_size  # type: ignore[list-item]
-    torch.distributed.all_gather_object(gathered, stats)
+    gathered = gather_objects(stats)
     out = {}
     for key in sorted({k for g in gathered for k in g}):
         values = [float(g[key]) for g in gathered if key in g]
         out[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
     return out
-
-
-def _broadcast(value, dist: Dist):
-    if not dist.active:
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def progress_bar(total: int, desc: str | None, unit: str, initial: int = 0):
-    """A progress bar on stderr with the total, the rate and the time left, or None without `desc`
-    (callers that report in their own way, and tests)."""
-    if desc is None:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True)
-
-
-class Progress:
-    def __init__(self, start: int, total: int, enabled: bool):
-        self.bar = progress_bar(total, "train", "it", initial=start) if enabled else None
-
-    def update(self, it: int, stats: dict[str, float]) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(success=f"{stats.get('rollout/success', 0):.2f}",
-                                 reward=f"{stats.get('rollout/reward_mean', 0):.2f}", refresh=False)
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 class RunDir:
@@ -138,7 +71,7 @@ class RunDir:
                 path = Path(cfg.train.run_dir) / name
                 path.mkdir(parents=True, exist_ok=cfg.train.run_name is not None)
             (path / "config.yaml").write_text(to_yaml(cfg))
-        path, resume_from = _broadcast((path, resume_from), dist)
+        path, resume_from = broadcast_object((path, resume_from), dist)
         run = cls(Path(path), dist)
         run.resume_from = resume_from
         if run.is_main:  # a resumed run continues its tracker runs from `first`
@@ -176,9 +109,6 @@ class RunDir:
         print(f"config: {cfg.name} ({self.path / 'config.yaml'})", flush=True)
         print(f"run directory: {self.path}", flush=True)
 
-    def progress(self, start: int, total: int, enabled: bool) -> Progress:
-        return Progress(start, total, enabled)
-
     # -- logging ------------------------------------------------------------------------------------
     def log(self, it: int, stats: dict[str, float], warnings: list[str]) -> None:
         record = {"iteration": it, "time": round(time.time() - self.t0, 3)}
@@ -194,7 +124,7 @@ class RunDir:
             tqdm.write(f"[collapse monitor] iteration {it}: {warning}")  # above the progress bar, not through it
 
     # -- evaluation and checkpoints -----------------------------------------------------------------
-    def maybe_evaluate(self, it: int, cfg: Config, model, encoder) -> dict[str, float]:
+    def maybe_evaluate(self, it: int, cfg: Config, model, encoder, decoder=None) -> dict[str, float]:
         """Every `eval.every` iterations: held-out episodes (greedy unless eval.do_sample), a few
         videos under eval/step_N/videos; returns `eval/*` metrics for this iteration's record."""
         every = cfg.eval.every
@@ -204,7 +134,8 @@ class RunDir:
 
         summary = evaluate(model, encoder, cfg, cfg.eval.episodes, self.path / "eval" / f"step_{it + 1}",
                            videos=cfg.eval.videos, dist=self.dist, with_baselines=False,
-                           desc=f"eval step_{it + 1}" if cfg.log.progress and self.is_main else None)
+                           desc=f"eval step_{it + 1}" if cfg.log.progress and self.is_main else None,
+                           decoder=decoder)
         return {f"eval/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
     def maybe_save(self, it: int, cfg: Config, actor_engine, critic_engine, processor, monitor,
@@ -280,13 +211,11 @@ def save_checkpoint(out: Path, it: int, actor_engine, critic_engine, processor, 
         processor.save_pretrained(tmp / "actor")
         if critic_engine is not None:
             critic_engine.module.save(tmp / "critic", state_dict=critic_state)
-    if dist.active:
-        torch.distributed.barrier()  # the folder exists before any rank writes its engine states into it
+    barrier(dist)  # the folder exists before any rank writes its engine states into it
     for name, engine in (("actor", actor_engine), ("critic", critic_engine)):
         if engine is not None:
             engine.save_checkpoint(str(tmp / "deepspeed"), tag=name)
-    if dist.active:
-        torch.distributed.barrier()  # every rank's states are written
+    barrier(dist)  # every rank's states are written
     if dist.rank == 0:
         _write_atomically(tmp / "trainer_state.json", json.dumps({"iteration": it, **(trainer_state or {})}))
         if out.exists():
@@ -299,8 +228,7 @@ def save_checkpoint(out: Path, it: int, actor_engine, critic_engine, processor, 
             for old in steps[:-keep]:
                 if old != out:
                     shutil.rmtree(old)
-    if dist.active:
-        torch.distributed.barrier()
+    barrier(dist)
 
 
 def find_checkpoint(cfg: Config) -> Path | None:

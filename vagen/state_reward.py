@@ -74,7 +74,7 @@ class StateJudge:
               "Does the description state the true state correctly? Answer yes or no.\nAnswer:")
     ANSWERS = (" yes", " no")
 
-    def __init__(self, path: str, device=None, batch_size: int = 16):
+    def __init__(self, path: str, device=None, batch_size: int = 16, dtype: str = "float32"):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -85,7 +85,9 @@ class StateJudge:
         self.tokenizer = AutoTokenizer.from_pretrained(local, local_files_only=True)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.pad_id = int(pad or 0)
-        self.model = AutoModelForCausalLM.from_pretrained(local, local_files_only=True, dtype=torch.float32)
+        # in the run's dtype (model.dtype): a float32 judge beside a bfloat16 policy would double its memory
+        self.model = AutoModelForCausalLM.from_pretrained(local, local_files_only=True,
+                                                          dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
         self.device = torch.device(device or "cpu")
         self.model.to(self.device).eval().requires_grad_(False)
         self.batch_size = int(batch_size)
@@ -107,14 +109,17 @@ class StateJudge:
             for i, (prompt, answer) in enumerate(rows):  # right-padded: positions start at 0 in every row
                 ids[i, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
                 mask[i, :len(prompt) + len(answer)] = 1
+            # Only the positions that predict an answer token go through the head, and only their
+            # log-softmax is taken: the whole [rows, width, vocab] would be 3.9 GB at 32 x 200 x 151,936.
+            rows_at = torch.tensor([i for i, (p, a) in enumerate(rows) for _ in a])
+            positions = torch.tensor([k for p, a in rows for k in range(len(p) - 1, len(p) + len(a) - 1)])
+            targets = torch.tensor([t for _, a in rows for t in a])
             with torch.no_grad():
-                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
-            logprobs = torch.log_softmax(logits, dim=-1).cpu()
-            totals = []
-            for i, (prompt, answer) in enumerate(rows):
-                positions = torch.arange(len(prompt) - 1, len(prompt) + len(answer) - 1)
-                totals.append(float(logprobs[i, positions, torch.tensor(answer)].sum()))
-            pairs_lp = torch.tensor(totals).view(-1, len(self.answers))
+                hidden = self.model.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+                logits = self.model.get_output_embeddings()(hidden[rows_at.to(self.device), positions.to(self.device)])
+                logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.to(self.device)[:, None])[:, 0]
+            totals = torch.zeros(len(rows), dtype=torch.float64).index_add_(0, rows_at, logprobs.double().cpu())
+            pairs_lp = totals.float().view(-1, len(self.answers))
             scores += torch.softmax(pairs_lp, dim=-1)[:, 0].tolist()
         return scores
 
@@ -190,5 +195,5 @@ def state_rewarder(cfg, dist=None) -> StateRewarder | None:
         return None
     judge = None
     if cfg.algo.state_reward == "judge":
-        judge = StateJudge(cfg.algo.state_judge_path, dist.device if dist is not None else None)
+        judge = StateJudge(cfg.algo.state_judge_path, dist.device if dist is not None else None, dtype=cfg.model.dtype)
     return StateRewarder(cfg.algo, judge, dist)

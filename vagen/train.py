@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         models.actor.module.train()
         annotate(samples, models.actor, models.critic, models.reference, cfg, models.encoder.pad_id, dist.device,
-                 suppress_ids=SUPPRESS_TMP)
+                 suppress_ids=models.encoder.suppress_ids)
         stats.update(compute_advantages(samples, cfg))
         stats["timing/annotate"] = time.perf_counter() - t0
 
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         stats.update(ppo_update(models.actor, models.critic, samples, cfg, models.encoder.pad_id, dist.device,
                                 dist.world_size, generator, update_actor=it >= cfg.train.critic_warmup,
-                                bad_steps_in_a_row=bad_steps_in_a_row, suppress_ids=SUPPRESS_TMP))
+                                bad_steps_in_a_row=bad_steps_in_a_row, suppress_ids=models.encoder.suppress_ids))
         bad_steps_in_a_row = int(stats["update/bad_steps_in_a_row"])  # the same on every rank
         stats["timing/update"] = time.perf_counter() - t0
         stats.update(sync_decoder(decoder, models.actor))
@@ -118,7 +118,6 @@ def main(argv=None) -> int:
     return return_code
 
 
-SUPPRESS_TMP = ()
 WATCHED = {"grad_norm": "actor/grad_norm", "entropy_mean": "actor/entropy_mean",
            "reward_std_in_group": "rollout/in_group_reward_std", "format_ok": "rollout/format_ok"}
 
@@ -175,22 +174,27 @@ def build_models(cfg, dist, run, is_main_process: bool) -> Models:
 
 
 def build_critic(cfg, policy_path):
-    """The value model: the policy's architecture from `model.critic_path` (default: the policy's weights)
-    with a zero-initialised value head."""
-    from vagen.models import ValueModel, base_checkpoint, load_policy
+    """The value model: the policy's architecture with a value head. `model.critic_path` is a critic vagen
+    saved (its backbone and head are restored), or a checkpoint to start the backbone from with a
+    zero-initialised head; without it the policy's weights and a zero head."""
+    from vagen.models import ValueModel, base_checkpoint, load_policy, saved_critic
 
-    path = base_checkpoint(cfg.model, cfg.model.critic_path) if cfg.model.critic_path else policy_path
+    saved = saved_critic(cfg.model.critic_path) if cfg.model.critic_path else None
+    path = base_checkpoint(cfg.model, cfg.model.critic_path) if cfg.model.critic_path and not saved else policy_path
     backbone, _ = load_policy(path, cfg.model.dtype)
     if cfg.model.gradient_checkpointing:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return ValueModel(backbone)
+    critic = ValueModel(backbone)
+    if saved is not None:
+        critic.load(saved)
+    return critic
 
 
 def play(cfg, it: int, dist, models: Models, decoder, envs: list, rewarder):
     """This rank's share of iteration `it`'s level seeds, played; the state reward applied (before any use
     of the rewards) and the rollout's metrics. Returns the episodes with at least one turn."""
     from vagen.episode import train_seeds
-    from vagen.rollout import rollout, rollout_metrics
+    from vagen.rollout import graded_scores, rollout, rollout_metrics
 
     per_rank = cfg.rollout.env_groups // dist.world_size
     seeds = train_seeds(it, cfg.rollout.env_groups, cfg.train.seed)[dist.rank * per_rank : (dist.rank + 1) * per_rank]
@@ -199,7 +203,7 @@ def play(cfg, it: int, dist, models: Models, decoder, envs: list, rewarder):
                               decoder=decoder, sample_seed=(cfg.train.seed * 1_000_003 + it) * 1_009 + dist.rank)
     if rewarder is not None:
         stats.update(rewarder(episodes))
-    stats.update(rollout_metrics(episodes))
+    stats.update(rollout_metrics(episodes, graded_scores(envs[0])))
     for ep in episodes:  # an environment that raised ended only its own episode
         if ep.error is not None:
             print(f"[env error] rank {dist.rank}, iteration {it}, {ep.env_name} level {ep.seed}: {ep.error}",
@@ -272,13 +276,16 @@ def deepspeed_config(cfg, lr: float, world_size: int, on_gpu: bool) -> dict:
     # torch's own AdamW, fused on CUDA: DeepSpeed's FusedAdam is compiled by nvcc on first use, which
     # needs a CUDA toolkit beside the driver and failed on an H200 whose TORCH_CUDA_ARCH_LIST says "9.0a".
     optimizer["params"].update(torch_adam=True, fused=on_gpu)
+    # DeepSpeed's warm-ups rise logarithmically unless told otherwise (half the peak after a tenth of the
+    # steps); `train.warmup_steps` is linear.
     if cfg.train.lr_decay_steps > 0:
         ds["scheduler"] = {"type": "WarmupCosineLR", "params": {
             "total_num_steps": cfg.train.lr_decay_steps, "warmup_num_steps": max(1, cfg.train.warmup_steps),
-            "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0}}
+            "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0, "warmup_type": "linear"}}
     elif cfg.train.warmup_steps > 0:
         ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
-                                                           "warmup_num_steps": cfg.train.warmup_steps}}
+                                                           "warmup_num_steps": cfg.train.warmup_steps,
+                                                           "warmup_type": "linear"}}
     return ds
 
 

@@ -25,13 +25,22 @@ def chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-# Rows of [positions, vocab] logits that `head_logprobs` computes at once: 1/32 of the positions, at most
-# HEAD_CHUNK_ROWS. A chunk's backward holds several float32 [rows, vocab] tensors (its recomputed logits,
-# softmax and their gradients). Measured on 1,024 positions of a 151,936-entry vocabulary
-# (tests/memory_worker.py): the step's peak rose 0.52x one bf16 logits tensor of all positions with 1/32,
-# 1.85x with 1/8, and 14.5x when the whole logits were computed at once.
+# Rows of [positions, vocab] logits that `head_logprobs` computes at once: 1/32 of the positions, and no
+# more than keep a chunk's float32 [rows, vocab] tensors within HEAD_CHUNK_BYTES. A chunk's backward holds
+# about four of them at once (its recomputed logits, softmax and their gradients). Measured on 1,024
+# positions of a 151,936-entry vocabulary (tests/memory_worker.py): the step's peak rose 0.52x one bf16
+# logits tensor of all positions with 1/32, 1.85x with 1/8, and 14.5x when the whole logits were computed
+# at once. The byte budget bounds long batches: 1/32 of 32,768 positions would be 1,024 rows, 0.6 GB a
+# tensor at that vocabulary, where the budget allows 110 rows.
 HEAD_CHUNK_FRACTION = 32
-HEAD_CHUNK_ROWS = 1024
+HEAD_CHUNK_BYTES = 256 * 2**20
+HEAD_CHUNK_TENSORS = 4
+
+
+def head_chunk_rows(rows: int, vocab: int) -> int:
+    """Rows of logits `head_logprobs` computes at once for `rows` positions of a `vocab`-entry head."""
+    budget = HEAD_CHUNK_BYTES // (HEAD_CHUNK_TENSORS * 4 * vocab)
+    return max(1, min(-(-rows // HEAD_CHUNK_FRACTION), budget))
 
 
 def _head_chunk(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
@@ -60,7 +69,8 @@ def head_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperat
     if rows == 0 and not lockstep:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
-    size = max(1, chunk_rows or min(HEAD_CHUNK_ROWS, -(-rows // HEAD_CHUNK_FRACTION)))
+    vocab = getattr(lm_head, "out_features", None) or lm_head.weight.shape[0]  # a ZeRO-3 partition has no shape
+    size = max(1, chunk_rows or head_chunk_rows(rows, vocab))
     count = -(-rows // size)
     if lockstep:
         count = int(all_reduce(torch.tensor([count], dtype=torch.float64), "max")[0])
