@@ -195,7 +195,7 @@ class Trackio:
 
         self.alert_level = trackio.AlertLevel.WARN
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", PROJECT), name=name, group=group,
-                                config=config, resume="must" if previous else "never", embed=False)
+                                config=config, resume="allow" if previous else "never", embed=False)
 
     def state(self) -> dict:
         return {"name": self.run.name}
