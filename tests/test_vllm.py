@@ -297,3 +297,26 @@ def test_weight_sync_from_zero3_gathers_a_group_at_a_time(vl, monkeypatch):
         decoder.settings["sync_group_mb"] = DEFAULT_SETTINGS["sync_group_mb"]
         decoder.sync_weights(model)
     assert sum(gathered) == len(params) and len(gathered) > 1 and max(gathered) < len(params), gathered
+
+
+@pytest.mark.slow  # two worker processes take ~1-2 min to start on 2 cores: `-m "vllm and not slow"` leaves it out
+def test_tensor_parallel_engine_samples_and_syncs_the_trainer_policy(standard_vl, vl):
+    """vllm.tensor_parallel_size=2: the engine's workers are processes of their own (on the CPU, each
+    bound to its own cores), and weights reach them serialised, a group of layers at a time."""
+    model, encoder, _ = vl
+    decoder = VLLMDecoder(standard_vl, encoder, dtype="float32", seed=0, tensor_parallel_size=2, sync_group_mb=0.5)
+    try:
+        cfg = config("rollout.max_turns=2")
+        played = dict(seeds=[6], group_size=2, decoder=decoder, sample_seed=4)
+        episodes, _ = rollout(model, encoder, cfg, **played)
+        assert max(sampled_gaps(model, encoder, episodes, 1.0)) < TOLERANCE
+        updated = copy.deepcopy(model)
+        with torch.no_grad():
+            for param in updated.parameters():
+                param.add_(0.02 * torch.randn_like(param))
+        decoder.sync_weights(updated)
+        episodes, _ = rollout(updated, encoder, cfg, **played)
+        gaps = sampled_gaps(updated, encoder, episodes, 1.0)
+        assert max(gaps) < TOLERANCE, f"after sync over 2 workers: max |vLLM - updated model| {max(gaps):.2e}"
+    finally:
+        decoder.close()

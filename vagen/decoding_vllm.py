@@ -29,6 +29,7 @@ different policy from the one being trained.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -89,6 +90,18 @@ def architecture_override(checkpoint: Path) -> dict:
     return {"architectures": [ARCHITECTURES[model_type]]}
 
 
+def cpu_binding(workers: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` giving each of `workers` CPU workers its own share of this process's
+    cores ("0-3|4-7")."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        raise ValueError(f"vllm.tensor_parallel_size={workers} CPU workers need a core each; this process may "
+                         f"use {len(cores)}: {cores}")
+    share = len(cores) // workers
+    parts = [cores[k * share : (k + 1) * share] for k in range(workers)]
+    return "|".join(f"{part[0]}-{part[-1]}" if len(part) > 1 else str(part[0]) for part in parts)
+
+
 def settings_from(cfg) -> dict:
     """Engine settings of the config's `vllm` section, defaults where the section or a field is absent."""
     section = getattr(cfg, "vllm", None)
@@ -120,8 +133,16 @@ class VLLMDecoder:
             # actor's tensors directly instead of serialising them to another process.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         else:
-            # Workers are processes: `sync_weights` sends them a function with its tensors (pickled).
+            # Workers are processes: `sync_weights` sends them a function of this module to run.
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+            if not self.on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                # vLLM binds each CPU worker to a NUMA node of its own unless told which cores to use.
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel)
+        import vllm.envs
+
+        # A first engine in this process froze vLLM's reading of the environment; this one's settings
+        # above must be read again.
+        vllm.envs.disable_envs_cache()
         from vllm import LLM
 
         options = dict(
@@ -270,12 +291,13 @@ class VLLMDecoder:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _gathered_weights(groups),
                                                               "is_checkpoint_format": True})
         else:
-            # Worker processes take a list each time; layers outside a call keep their weights.
+            # Worker processes get each group serialised (vLLM's own messages carry no nested tensors);
+            # layers outside a group keep their weights.
             for group in groups:
                 with _gathered([param for _, param in group]):
-                    weights = [(name, param.data.detach().cpu()) for name, param in group]
-                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                                      "is_checkpoint_format": True})
+                    buffer = io.BytesIO()
+                    torch.save([(name, param.data.detach().cpu()) for name, param in group], buffer)
+                self.llm.collective_rpc(_reload_serialized, args=(buffer.getvalue(),))
         self.llm.apply_model(_repack_tied_heads)
         self.llm.reset_prefix_cache()  # keys and values of the old weights
         self.llm.llm_engine.reset_encoder_cache()  # image embeddings of the old weights
@@ -291,6 +313,12 @@ class VLLMDecoder:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down (its worker processes too, with tensor parallelism)."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
 
 
 def weight_groups(module, limit_bytes: float):
@@ -316,6 +344,12 @@ def _gathered_weights(groups):
         with _gathered([param for _, param in group]):
             for name, param in group:
                 yield name, param.data.detach()
+
+
+def _reload_serialized(worker, payload: bytes) -> None:
+    """Run in each vLLM worker process: reload the (name, tensor) pairs serialised in `payload`."""
+    weights = torch.load(io.BytesIO(payload), weights_only=True)
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
 
 def _repack_tied_heads(engine_model) -> None:
