@@ -216,10 +216,11 @@ def test_greedy_equals_the_hf_backend_and_stops_at_the_answer(text_policy):
     model, encoder, decoder = text_policy
     cfg = load_config(None, ["rollout.max_turns=3", "rollout.max_new_tokens=64", "env.name=sokoban",
                              "env.render_mode=text"])
-    played = dict(seeds=[1_000_000_000 + k for k in range(4)], group_size=1, do_sample=False)
+    played = dict(seeds=[1_000_000_000 + k for k in range(16)], group_size=1, do_sample=False)  # 16 evaluation levels
     hf, _ = rollout(model, encoder, cfg, decoder=HFDecoder(model, encoder), **played)
     vllm, _ = rollout(model, encoder, cfg, decoder=decoder, **played)
     assert [ep.input_ids for ep in vllm] == [ep.input_ids for ep in hf]
+    assert [ep.success for ep in vllm] == [ep.success for ep in hf]
     answered = 0
     for episode in vllm:
         for turn in episode.turns:
