@@ -57,9 +57,8 @@ def main(argv=None) -> int:
 
     from vagen.config import load_config
     from vagen.decoding_hf import HFDecoder
-    from vagen.episode import ChatEncoder
+    from vagen.episode import ChatEncoder, train_seeds
     from vagen.models import load_policy
-    from vagen.episode import train_seeds
     from vagen.rollout import rollout
 
     on_gpu = torch.cuda.is_available()
