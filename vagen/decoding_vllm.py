@@ -10,16 +10,15 @@ What the engine is given and what comes back are exactly the tokens training use
   distribution it was drawn from (`logprobs_mode="processed_logprobs"`: after the suppress mask and the
   temperature, which is what `vagen.update` computes);
 - the rules of `vagen.decoding` hold: stop at `<|im_end|>`/`<|endoftext|>` (kept), at `</answer>` (the
-  token that completes it kept), or after `max_new_tokens`; `ChatEncoder.suppress_ids` are masked
-  exactly (`allowed_token_ids`: every other id of the model's vocabulary); no nucleus, no top-k unless
-  asked; each request seeded from the turn's seed and the episode's row (`request_seed`); greedy when
+  token that completes it kept), or after `max_new_tokens`; `ChatEncoder.suppress_ids` get -inf
+  logits (`SuppressTokens`, an exact mask, greedy included); no nucleus, no top-k unless asked; each request seeded from the turn's seed and the episode's row (`request_seed`); greedy when
   `do_sample` is false. The checkpoint's own generation config (repetition penalty and the like) is
   never read.
 
 Weights follow training through `sync_weights(model)`: the actor's parameters are loaded into the
-engine a group at a time (under ZeRO-3 each group is gathered with `GatheredParameters`, never the
-whole model at once), then the prefix and encoder caches are reset, so no key, value or image
-embedding of the old weights is reused. On a GPU, `sleep()` releases the engine's memory while the
+engine by vLLM's in-place reload, a group of whole layers at a time (under ZeRO-3 each group is
+gathered with `GatheredParameters`, never the whole model at once), then the prefix and encoder caches
+are reset, so no key, value or image embedding of the old weights is reused. On a GPU, `sleep()` releases the engine's memory while the
 update runs and `wake_up()` restores it (vLLM's sleep mode); on the CPU both do nothing.
 
 Built-in tiny models whose config turns on vagen's image hooks (`vagen_center_image_tokens`,
@@ -203,7 +202,7 @@ class VLLMDecoder:
         checkpoint = base_checkpoint(cfg.model)
         refuse_image_hooks(checkpoint)
         if encoder is None:
-            encoder = ChatEncoder(load_policy(checkpoint, cfg.model.dtype)[1])
+            encoder = ChatEncoder(load_policy(checkpoint, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)[1])
         decoder = cls(checkpoint, encoder, dtype=cfg.model.dtype, seed=cfg.train.seed, **settings_from(cfg))
         if model is not None:
             decoder.sync_weights(model)
