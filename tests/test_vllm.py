@@ -231,6 +231,25 @@ def test_greedy_equals_the_hf_backend_and_stops_at_the_answer(text_policy):
     assert answered, [t.response for ep in vllm for t in ep.turns]
 
 
+def test_from_config_builds_the_run_engine_with_the_actor_weights(text_policy):
+    model, encoder, reference = text_policy
+    cfg = load_config(None, ["model.path=assets:sokoban_text", "rollout.max_turns=2", "rollout.max_new_tokens=64",
+                             "env.name=sokoban", "env.render_mode=text"])
+    updated = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in updated.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    decoder = VLLMDecoder.from_config(cfg, updated, encoder)
+    try:
+        expected = {key: getattr(getattr(cfg, "vllm", None), key, default) for key, default in DEFAULT_SETTINGS.items()}
+        assert decoder.settings == expected
+        played = dict(seeds=[3, 4], group_size=2, sample_seed=8)
+        episodes, _ = rollout(updated, encoder, cfg, decoder=decoder, **played)
+        assert max(sampled_gaps(updated.eval(), encoder, episodes, cfg.rollout.temperature)) < TOLERANCE
+    finally:
+        decoder.close()
+
+
 def test_models_with_image_hooks_are_refused_before_any_work(model_cache):
     script = f"""
 import sys
