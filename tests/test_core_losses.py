@@ -227,6 +227,18 @@ def test_entropy_hand_checked_and_stable():
     assert entropy_from_logits(one_hot).tolist() == [[0.0]]
 
 
+def test_entropy_gradient_is_finite_with_masked_vocabulary_entries():
+    """The update masks tokens sampling never draws with -inf: their gradient is 0, the others' finite."""
+    logits = torch.tensor([[[1.0, float("-inf"), 0.5]]], requires_grad=True)
+    entropy_from_logits(logits).sum().backward()
+    p = torch.softmax(torch.tensor([1.0, 0.5]), -1)
+    # dH/dz_i = -p_i (log p_i + H) over the two finite entries
+    h = -(p * p.log()).sum()
+    expected = -p * (p.log() + h)
+    assert logits.grad[0, 0, 1] == 0.0
+    assert torch.allclose(logits.grad[0, 0, [0, 2]], expected, atol=1e-6)
+
+
 def test_entropy_matches_naive_loop():
     logits = torch.randn(3, 4, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 4
     torch.testing.assert_close(entropy_from_logits(logits), entropy_ref(logits))

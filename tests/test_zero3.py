@@ -73,3 +73,13 @@ def test_zero3_ranks_with_unequal_episodes_decode_in_lockstep_and_train_as_zero0
             if name in initial:
                 moved = max(moved, float((expected - initial[name]).abs().max()))
     assert moved > 1e-4, f"the update moved no parameter by more than {moved}"
+    # ZeRO-3 builds actor, critic and reference partitioned: no rank ever held a whole model; ZeRO-0 whole
+    for stage in stages:
+        for rank in (0, 1):
+            loads = torch.load(tmp_path / f"{stage}_loads_rank{rank}.pt")
+            assert len(loads) == 3, (stage, rank, loads)  # actor, critic backbone, reference (KL is on)
+            for held, whole in loads:
+                if stage == "zero0":
+                    assert held == whole, (stage, rank, held, whole)
+                else:
+                    assert held <= 0.6 * whole, (stage, rank, held, whole)

@@ -1,6 +1,7 @@
 """Run under the DeepSpeed launcher by tests/test_zero3.py: one iteration of `vagen.train` (rollout,
-update, evaluation, checkpoint) on two ranks with ZeRO-0, then twice with ZeRO-3 and every parameter
-partitioned (generation with the cache kept across turns, and with transformers' `generate`).
+update with a KL term, evaluation, checkpoint) on two ranks with ZeRO-0, then twice with ZeRO-3 and every
+parameter partitioned (decoding with the cache kept across turns, and with it dropped every turn).
+Each rank also records, for every model it loads, whether the model came partitioned out of loading.
 
 The ranks play unequal episodes: rank 0 three turns of up to 8 new tokens, rank 1 one turn of up to 4;
 in evaluation, 2 and 1 episodes. Each rank saves, per rollout call, how many forward passes its policy
@@ -12,12 +13,13 @@ from pathlib import Path
 import torch
 from child_env import worker_args
 
+import vagen.models
 import vagen.rollout as rollout_module
 
 COMMON = ["model.path=builtin:tiny-vl", "rollout.env_groups=2", "rollout.group_size=2", "rollout.max_turns=3",
           "rollout.temperature=1.0", "train.mini_batch_size=4", "train.micro_batch_size=2", "train.iterations=1",
           "train.actor_lr=1e-3", "train.critic_lr=1e-3", "eval.every=1", "eval.episodes=3", "eval.videos=0",
-          "log.tensorboard=false", "log.progress=false"]
+          "log.tensorboard=false", "log.progress=false", "algo.kl_coef=0.01"]
 # Rank 1's histories reach their length limit after one turn (the first prompt is 182 tokens, the second
 # observation 77), as episodes that end early would.
 PER_RANK = [["rollout.max_new_tokens=8"], ["rollout.max_new_tokens=4", "rollout.max_trajectory_length=220"]]
@@ -43,6 +45,20 @@ def counting_rollout(model, *args, **kwargs):
 real_rollout = rollout_module.rollout
 rollout_module.rollout = counting_rollout  # vagen.train and vagen.eval import it when they run
 
+loads: list[tuple[int, int]] = []  # per model loaded: (parameters this rank holds, parameters of the model)
+
+
+def recording_load_policy(*args, **kwargs):
+    model, processor = real_load_policy(*args, **kwargs)
+    held = sum(p.numel() for p in model.parameters())
+    whole = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    loads.append((held, whole))
+    return model, processor
+
+
+real_load_policy = vagen.models.load_policy
+vagen.models.load_policy = recording_load_policy  # vagen.train imports it when it builds the models
+
 
 def main():
     args = worker_args()
@@ -52,10 +68,12 @@ def main():
     out = Path(args.out)
     for stage, overrides in STAGES.items():
         calls.clear()
+        loads.clear()
         code = train(["--config", "frozenlake_visual", *COMMON, *PER_RANK[rank], f"model.builtin_cache={args.cache}",
                       *overrides, f"train.run_dir={out}", f"train.run_name={stage}"])
         assert code == 0, f"{stage}: vagen.train returned {code}"
         torch.save(list(calls), out / f"{stage}_rank{rank}.pt")
+        torch.save(list(loads), out / f"{stage}_loads_rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -438,7 +438,22 @@ def load_policy(path: Path, dtype: str = "float32", min_pixels: int | None = Non
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
         processor = AutoTokenizer.from_pretrained(path)
     disable_dropout(model)
+    if _stored_as_named(model, path):
+        # Built partitioned (ZeRO-3), transformers records its default key renamings as if the checkpoint
+        # were in an older layout, and saving would rename keys that were never renamed.
+        model._weight_conversions = []
     return model, processor
+
+
+def _stored_as_named(model: nn.Module, path: Path) -> bool:
+    """Whether every tensor of the checkpoint at `path` is stored under a name of `model`'s state dict."""
+    from safetensors import safe_open
+
+    keys = set()
+    for shard in Path(path).glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as handle:
+            keys.update(handle.keys())
+    return bool(keys) and keys <= set(model.state_dict())
 
 
 def disable_dropout(model: nn.Module) -> None:

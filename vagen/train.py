@@ -12,6 +12,7 @@ engines.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -151,26 +152,47 @@ class Models:
 
 def build_models(cfg, dist, run, is_main_process: bool) -> Models:
     """Policy, critic and reference from `model.path` (trained as given: a warm start is built beforehand,
-    python -m vagen.sft), wrapped in their DeepSpeed engines."""
+    python -m vagen.sft), wrapped in their DeepSpeed engines. Under ZeRO-3 every model is built
+    partitioned (`partitioned_build`), and without a KL term no reference is loaded at all."""
     from vagen.episode import ChatEncoder
     from vagen.models import base_checkpoint, load_policy
 
     path = base_checkpoint(cfg.model)
     if is_main_process:
         run.announce(cfg, path)
-    actor, processor = load_policy(path, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)
+    with partitioned_build(cfg, dist) as partitioned:
+        actor, processor = load_policy(path, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)
+        critic = build_critic(cfg, path) if cfg.algo.adv_estimator in ("gae", "turn_gae") else None
+        reference = load_policy(path, cfg.model.dtype)[0] if cfg.algo.kl_coef > 0 else None
     if cfg.model.gradient_checkpointing:
         # Non-reentrant checkpointing: gradients reach the weights even where no input requires grad.
         actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     encoder = ChatEncoder(processor)
-    critic = build_critic(cfg, path) if cfg.algo.adv_estimator in ("gae", "turn_gae") else None
-    reference = None
-    if cfg.algo.kl_coef > 0:
-        reference, _ = load_policy(path, cfg.model.dtype)
-        reference.eval().requires_grad_(False).to(dist.device)
+    if reference is not None:
+        reference.eval().requires_grad_(False)
+        # a partitioned model runs only inside an engine, which gathers each layer's parameters for its call
+        reference = make_engine(reference, cfg, 0.0, dist, frozen=True) if partitioned else reference.to(dist.device)
     actor_engine = make_engine(actor, cfg, cfg.train.actor_lr, dist)
     critic_engine = make_engine(critic, cfg, cfg.train.critic_lr, dist) if critic is not None else None
     return Models(actor_engine, critic_engine, reference, processor, encoder)
+
+
+@contextlib.contextmanager
+def partitioned_build(cfg, dist):
+    """Inside, under ZeRO-3, `from_pretrained` builds models partitioned over the ranks from the start
+    (transformers runs it under `deepspeed.zero.Init` while an `HfDeepSpeedConfig` lives): no rank ever
+    holds a whole model on the host, which at 3B in float32 was 30-45 GB per rank. Yields whether it does."""
+    ds = deepspeed_config(cfg, cfg.train.actor_lr, dist.world_size, dist.device.type == "cuda")
+    if ds.get("zero_optimization", {}).get("stage", 0) != 3:
+        yield False
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+
+    marker = HfDeepSpeedConfig(ds)  # held by a weak reference in transformers: alive inside only
+    try:
+        yield True
+    finally:
+        del marker
 
 
 def build_critic(cfg, policy_path):
@@ -186,7 +208,14 @@ def build_critic(cfg, policy_path):
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     critic = ValueModel(backbone)
     if saved is not None:
-        critic.load(saved)
+        partitioned = [p for p in critic.parameters() if hasattr(p, "ds_id")]
+        if partitioned:  # ZeRO-3: every rank's share is written from the whole tensors rank 0 loads
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
+                critic.load(saved)
+        else:
+            critic.load(saved)
     return critic
 
 
@@ -289,10 +318,18 @@ def deepspeed_config(cfg, lr: float, world_size: int, on_gpu: bool) -> dict:
     return ds
 
 
-def make_engine(module, cfg, lr: float, dist):
+def make_engine(module, cfg, lr: float, dist, frozen: bool = False):
+    """A DeepSpeed engine of `module` with `train.deepspeed_config`; `frozen`: no optimizer or schedule
+    (a reference model that only runs forward)."""
     import deepspeed
 
     config = deepspeed_config(cfg, lr, dist.world_size, dist.device.type == "cuda")
+    if frozen:
+        config.pop("optimizer", None)
+        config.pop("scheduler", None)
+        engine, *_ = deepspeed.initialize(model=module, config=config)
+        engine.eval()  # DeepSpeed's eval returns None, not the engine
+        return engine
     params = [p for p in module.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=config)
     return engine

@@ -261,7 +261,9 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     z = z - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
     p = torch.exp(logp)
-    plogp = torch.where(p > 0, p * logp, torch.zeros_like(p))  # avoids 0 * -inf
+    # 0 * -inf avoided in the value and in the gradient: a where around p * logp would still send
+    # 0 * -inf = NaN back through the product at a masked (-inf) entry
+    plogp = p * torch.where(p > 0, logp, torch.zeros_like(logp))
     return (-plogp.sum(-1)).to(logits.dtype)
 
 
