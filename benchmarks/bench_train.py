@@ -7,8 +7,8 @@ measured in one process on the same model and batches.
   processing + bookkeeping), generated tokens per second, against bare `model.generate` on exactly
   the batches the rollout generated from (same sampling settings, same number of new tokens, no
   stop strings or token suppression). Measured twice: with the key/value cache kept across turns
-  (`rollout.reuse_cache=true`, the default) and with `generate` over the whole history every turn;
-  both play the same episodes token for token.
+  (`rollout.reuse_cache=true`, the default) and with the cache dropped every turn (the whole history
+  runs again); both play the same episodes token for token.
 - update: `vagen.update.ppo_update` (actor only, GRPO advantages) in a real DeepSpeed engine, tokens
   per second, against a bare loop of forward + backward + AdamW step over the same micro-batches.
 - vision tower: forward + backward over the update's frames, frames per second, with the patch
@@ -29,40 +29,40 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the left-padded batch of whole histories that bare `generate` takes, as the tests build it
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import torch  # noqa: E402
+from hf_generate import batch_generation_inputs  # noqa: E402
 
-import vagen.rollout as rollout_module  # noqa: E402
 from vagen import core  # noqa: E402
 from vagen.config import load_config  # noqa: E402
 from vagen.episode import ChatEncoder, train_seeds  # noqa: E402
 from vagen.models import base_checkpoint, load_policy  # noqa: E402
-from vagen.rollout import batch_generation_inputs, rollout  # noqa: E402
+from vagen.rollout import make_decoder, rollout  # noqa: E402
 from vagen.trajectory import collate, episode_to_sample, model_inputs  # noqa: E402
 from vagen.update import annotate, chunks, compute_advantages, ppo_update  # noqa: E402
 
 
 def measure_rollout(model, encoder, cfg, seeds, group_size):
-    """Our rollout, recording every batch that `generate` saw (none with the turn cache) and how many
-    tokens it produced."""
+    """Our rollout, recording every batch its decoder was given (the episodes' whole histories, as bare
+    `generate` would need them) and how many tokens it produced."""
     captured = []
-    original = rollout_module.generate
+    decoder = make_decoder(cfg, model, encoder)
+    decode = decoder.generate
 
-    def recording(model, encoder, episodes, max_new_tokens, *args, **kwargs):
-        new = original(model, encoder, episodes, max_new_tokens, *args, **kwargs)
-        batch = batch_generation_inputs(encoder, episodes)
-        longest = max(len(encoder.finish_response(ids)[0]) - 1 for ids in new)
-        captured.append((batch, max(1, longest), sum(len(encoder.finish_response(ids)[0]) for ids in new)))
+    def recording(episodes, rows, sampling):
+        new = decode(episodes, rows, sampling)
+        ids = [encoder.finish_response(g.ids)[0] for g in new]
+        captured.append((batch_generation_inputs(encoder, episodes), max(1, max(len(i) - 1 for i in ids)),
+                         sum(len(i) for i in ids)))
         return new
 
-    rollout_module.generate = recording
-    try:
-        torch.manual_seed(0)
-        t0 = time.perf_counter()
-        episodes, _ = rollout(model, encoder, cfg, seeds, group_size)
-        elapsed = time.perf_counter() - t0
-    finally:
-        rollout_module.generate = original
+    decoder.generate = recording
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    episodes, _ = rollout(model, encoder, cfg, seeds, group_size, decoder=decoder)
+    elapsed = time.perf_counter() - t0
     tokens = sum(t.response_length for ep in episodes for t in ep.turns)
     return episodes, tokens, elapsed, captured
 

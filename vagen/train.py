@@ -48,7 +48,6 @@ def main(argv=None) -> int:
     from vagen.rollout import make_decoder, make_env
     from vagen.run import RunDir, reduce_metrics
     from vagen.state_reward import state_rewarder
-    from vagen.update import annotate, compute_advantages, ppo_update
 
     torch.manual_seed(cfg.train.seed + dist.rank)
     run = RunDir.create(cfg, dist)
@@ -73,25 +72,11 @@ def main(argv=None) -> int:
         # uninterrupted one would.
         torch.manual_seed((cfg.train.seed * 1_000_003 + it) * 1_009 + dist.rank)
         generator.manual_seed(cfg.train.seed * 1_000_003 + it)
-        played, stats = play(cfg, it, dist, models, decoder, envs, rewarder)
-        samples, filter_stats = kept_samples(cfg, dist, models, played)
+        played, stats = play(cfg, it, dist, models, decoder, envs, rewarder)  # this rank's share of the levels
+        samples, filter_stats = kept_samples(cfg, dist, models, played)  # StarPO-S over all ranks
         stats.update(filter_stats)
-
-        # -- old log-probs, values, advantages, token selection -------------------------------------------
-        t0 = time.perf_counter()
-        models.actor.module.train()
-        annotate(samples, models.actor, models.critic, models.reference, cfg, models.encoder.pad_id, dist.device,
-                 suppress_ids=models.encoder.suppress_ids)
-        stats.update(compute_advantages(samples, cfg))
-        stats["timing/annotate"] = time.perf_counter() - t0
-
-        # -- PPO update ------------------------------------------------------------------------------------
-        t0 = time.perf_counter()
-        stats.update(ppo_update(models.actor, models.critic, samples, cfg, models.encoder.pad_id, dist.device,
-                                dist.world_size, generator, update_actor=it >= cfg.train.critic_warmup,
-                                bad_steps_in_a_row=bad_steps_in_a_row, suppress_ids=models.encoder.suppress_ids))
+        stats.update(train_on(samples, cfg, it, dist, models, generator, bad_steps_in_a_row))
         bad_steps_in_a_row = int(stats["update/bad_steps_in_a_row"])  # the same on every rank
-        stats["timing/update"] = time.perf_counter() - t0
         stats.update(sync_decoder(decoder, models.actor))
 
         # -- collapse indicators, logging, evaluation, checkpoints ------------------------------------------
@@ -265,6 +250,25 @@ def indicators(samples: list, played: list) -> dict[str, float]:
     scores = torch.tensor([ep.total_reward for ep in played])
     group_ids = torch.tensor([ep.group_id for ep in played])
     return batch_indicators(scores, group_ids, samples, played)
+
+
+def train_on(samples: list, cfg, it: int, dist, models: Models, generator, bad_steps_in_a_row: int) -> dict:
+    """Old log-probs, values, advantages and token selection, then the PPO update (the critic alone during
+    `train.critic_warmup`); returns their metrics and timings."""
+    from vagen.update import annotate, compute_advantages, ppo_update
+
+    t0 = time.perf_counter()
+    models.actor.module.train()
+    annotate(samples, models.actor, models.critic, models.reference, cfg, models.encoder.pad_id, dist.device,
+             suppress_ids=models.encoder.suppress_ids)
+    stats = compute_advantages(samples, cfg)
+    stats["timing/annotate"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    stats.update(ppo_update(models.actor, models.critic, samples, cfg, models.encoder.pad_id, dist.device,
+                            dist.world_size, generator, update_actor=it >= cfg.train.critic_warmup,
+                            bad_steps_in_a_row=bad_steps_in_a_row, suppress_ids=models.encoder.suppress_ids))
+    stats["timing/update"] = time.perf_counter() - t0
+    return stats
 
 
 def sync_decoder(decoder, actor_engine) -> dict[str, float]:
