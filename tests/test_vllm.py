@@ -232,7 +232,10 @@ def test_greedy_equals_the_hf_backend_and_stops_at_the_answer(text_policy):
 
 
 def test_from_config_builds_the_run_engine_with_the_actor_weights(text_policy):
-    model, encoder, reference = text_policy
+    from vagen.distributed import init_distributed
+
+    model, encoder, _ = text_policy
+    init_distributed()  # a trainer's process group, which the engine's shutdown must leave
     cfg = load_config(None, ["model.path=assets:sokoban_text", "rollout.max_turns=2", "rollout.max_new_tokens=64",
                              "env.name=sokoban", "env.render_mode=text"])
     updated = copy.deepcopy(model)
@@ -248,6 +251,10 @@ def test_from_config_builds_the_run_engine_with_the_actor_weights(text_policy):
         assert max(sampled_gaps(updated.eval(), encoder, episodes, cfg.rollout.temperature)) < TOLERANCE
     finally:
         decoder.close()
+    assert torch.distributed.is_initialized(), "closing the engine destroyed the trainer's process group"
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    assert total.item() == torch.distributed.get_world_size()
 
 
 def test_models_with_image_hooks_are_refused_before_any_work(model_cache):

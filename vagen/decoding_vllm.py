@@ -184,11 +184,13 @@ class VLLMDecoder:
         # vLLM's CPU worker expects a process of its own: it sets torch to one thread and replaces
         # `torch.set_num_threads` with a no-op. Here it shares the trainer's process, which gets both back.
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        trainer_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         try:
             self.llm = LLM(**options)
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
+        self.guarded_shutdown = _guard_shutdown(self.llm, trainer_group)
         self.asleep = False
         self.in_process = tensor_parallel == 1
 
@@ -316,9 +318,14 @@ class VLLMDecoder:
             self.asleep = False
 
     def close(self) -> None:
-        """Shut the engine down (its worker processes too, with tensor parallelism)."""
+        """Shut the engine down (its worker processes too, with tensor parallelism); the trainer's process
+        group stays."""
         if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+            client = self.llm.llm_engine.engine_core
+            if self.guarded_shutdown:
+                client._finalizer()  # see `_guard_shutdown`
+            else:
+                client.shutdown()
             self.llm = None
 
 
@@ -345,6 +352,59 @@ def _gathered_weights(groups):
         with _gathered([param for _, param in group]):
             for name, param in group:
                 yield name, param.data.detach()
+
+
+# Engine cores running in this process: vLLM's parallel state (its process groups) is one per process,
+# shared by them all, so only the last one to shut down may tear it down.
+_LIVE_CORES: set[int] = set()
+
+
+def _guard_shutdown(llm, trainer_group: bool) -> bool:
+    """Make the shutdown of an engine core that runs in this process (whether `close()`, the garbage
+    collector or the interpreter's exit starts it) leave alone what others still use. vLLM's own shutdown
+    destroys its parallel state, which other engines of this process share, and the default process
+    group: the trainer's (`trainer_group`), which a run still needs, or which the trainer destroyed
+    before (an error at exit). Returns whether it applies: an engine core in a process of its own
+    cleans up only that process."""
+    import weakref
+
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)
+    finalizer = getattr(client, "_finalizer", None)
+    if core is None or finalizer is None or not hasattr(core, "shutdown"):
+        return False
+    finalizer.detach()
+    _LIVE_CORES.add(id(core))
+    client._finalizer = weakref.finalize(client, _shutdown_in_process, core, trainer_group)
+    return True
+
+
+def _shutdown_in_process(core, trainer_group: bool) -> None:
+    import vllm.v1.engine.core as core_module
+
+    _LIVE_CORES.discard(id(core))
+    original = core_module.cleanup_dist_env_and_memory
+    if _LIVE_CORES:  # other engines of this process use the groups
+        core_module.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
+    elif trainer_group:
+        core_module.cleanup_dist_env_and_memory = _cleanup_keeping_group
+    try:
+        core.shutdown()
+    finally:
+        core_module.cleanup_dist_env_and_memory = original
+
+
+def _cleanup_keeping_group() -> None:
+    """vLLM's groups destroyed (its tensor/pipeline-parallel ones and its copy of the world), the default
+    process group kept; nothing when the trainer has left its group already (they went with it)."""
+    from vllm.distributed import parallel_state
+
+    if not torch.distributed.is_initialized():
+        return
+    parallel_state.destroy_model_parallel()
+    if parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
 
 
 def _reload_serialized(worker, payload: bytes) -> None:
