@@ -1,7 +1,6 @@
 """Run by tests/test_distributed.py as one of two gloo ranks: rank 1's level groups all failed at reset, so
 it has no episode to train. Prints what `plan_groups` did on this rank: the error it raised, or "planned"."""
 
-import os
 import sys
 
 import torch

@@ -163,9 +163,12 @@ def test_config_errors_surface_fast_without_heavy_imports():
     assert wall < 10.0  # the interpreter start included; generous for a loaded machine
 
 
-def test_unknown_or_unavailable_rollout_backend_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"rollout.backend=vllm is not implemented yet.*use rollout.backend=hf"):
-        load_config(None, ["rollout.backend=vllm"])
+def test_unknown_rollout_backend_and_misplaced_rollout_correction_are_config_errors():
+    assert load_config(None, ["rollout.backend=vllm"]).rollout.backend == "vllm"
+    with pytest.raises(ConfigError, match=r"algo.rollout_correction=tis .* set rollout.backend=vllm"):
+        load_config(None, ["algo.rollout_correction=tis"])
+    with pytest.raises(ConfigError, match=r"algo.rollout_correction_cap=0.5 must be >= 1"):
+        load_config(None, ["rollout.backend=vllm", "algo.rollout_correction=tis", "algo.rollout_correction_cap=0.5"])
     with pytest.raises(ConfigError, match=r"rollout.backend='sglang' is not a valid choice"):
         load_config(None, ["rollout.backend=sglang"])
 

@@ -304,3 +304,17 @@ def test_micro_batch_losses_with_the_global_denominator_add_up_to_the_whole_batc
                     for i in (0, 2, 4))
         assert parts.item() == pytest.approx(whole.item(), abs=1e-6), mode
         assert loss_denominator(mask, mode) == (float(mask.sum()) if mode == "token-mean" else 5.0)
+
+
+def test_ppo_policy_loss_weights_scale_each_tokens_loss():
+    """Truncated importance sampling: a token's loss times its weight, before aggregation."""
+    logprobs = torch.tensor([[-1.0, -2.0]])
+    advantages = torch.tensor([[1.0, -1.0]])
+    mask = torch.ones(1, 2)
+    plain, _ = ppo_policy_loss(logprobs, logprobs, advantages, mask, agg="token-mean")
+    weighted, _ = ppo_policy_loss(logprobs, logprobs, advantages, mask, agg="token-mean",
+                                  weights=torch.tensor([[2.0, 0.5]]))
+    # ratio 1: per-token losses -1 and +1; token-mean (-1 + 1) / 2 = 0 plain, (-2 + 0.5) / 2 weighted
+    assert float(plain) == 0.0 and float(weighted) == -0.75
+    with pytest.raises(ValueError, match="weights"):
+        ppo_policy_loss(logprobs, logprobs, advantages, mask, weights=torch.ones(1, 3))

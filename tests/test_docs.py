@@ -125,8 +125,11 @@ def test_the_readme_is_the_front_door():
     lines = [line.strip() for line in text.splitlines()]
     # the quick start, and the test command that CI (.ci/run) runs verbatim
     assert "pip install -e . && deepspeed vagen/train.py --config sokoban_visual" in lines
-    assert 'pip install -e ".[test]" && pytest' in lines
-    assert 'pip install -e ".[test]" && pytest' in (ROOT / ".ci" / "run").read_text().splitlines()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for command in ("apt-get update && apt-get install -y chromium chromium-driver",
+                    'pip install -e ".[test]" && ruff check . && pytest'):
+        assert command in lines, command
+        assert any(line.startswith(command) for line in ci), command
 
 
 def _config_reference():

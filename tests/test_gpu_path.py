@@ -15,7 +15,6 @@ import torch
 from vagen.config import load_config
 from vagen.episode import ChatEncoder, Episode, Turn
 
-
 # -- the rank's device and random state -----------------------------------------------------------------
 
 def test_each_rank_samples_on_its_own_device_and_touches_no_other():

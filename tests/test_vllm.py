@@ -15,6 +15,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -347,3 +348,54 @@ def test_tensor_parallel_engine_samples_and_syncs_the_trainer_policy(standard_vl
         assert max(gaps) < TOLERANCE, f"after sync over 2 workers: max |vLLM - updated model| {max(gaps):.2e}"
     finally:
         decoder.close()
+
+
+# -- training with rollout.backend=vllm, in processes of its own (as a user runs it) ----------------------
+
+FAST_TRAINING = ["rollout.backend=vllm", "train.iterations=2", "rollout.env_groups=2", "rollout.group_size=2",
+                 "rollout.max_new_tokens=24", "rollout.max_turns=2", "train.mini_batch_size=4",
+                 "train.micro_batch_size=2", "eval.every=0", "log.progress=false"]
+
+
+def _train(tmp_path, ranks: int, *overrides: str) -> list[dict]:
+    """`vagen/train.py` on `ranks` CPU ranks (the DeepSpeed launcher for more than one); returns the
+    metrics of its iterations. A clean exit is part of the check: the engines' shutdown at exit must not
+    trip over the process group the trainer has left."""
+    import socket
+
+    from child_env import child_env
+
+    script = str(Path(__file__).resolve().parents[1] / "vagen" / "train.py")
+    args = ["--config", *overrides, f"train.run_dir={tmp_path}"]
+    if ranks == 1:
+        cmd = [sys.executable, script, *args]
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
+               str(port), script, *args]
+    out = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert "Traceback" not in out.stderr, out.stderr[-5000:]
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    return [json.loads(line) for line in (runs[-1] / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_vllm_training(records: list[dict]) -> None:
+    assert [r["iteration"] for r in records] == [0, 1]
+    for record in records:
+        assert record["rollout/generated_tokens"] > 0 and record["timing/weight_sync"] > 0, record
+        # float32 on both sides: vLLM sampled what the trainer's actor computes
+        assert record["rollout/inference_logprob_gap_max"] < TOLERANCE, record["rollout/inference_logprob_gap_max"]
+
+
+def test_training_with_vllm_on_one_rank(standard_vl, tmp_path):
+    records = _train(tmp_path, 1, "sokoban_visual", f"model.path={standard_vl}", *FAST_TRAINING)
+    _check_vllm_training(records)
+
+
+@pytest.mark.parametrize("zero", ["zero0", pytest.param("zero3", marks=pytest.mark.slow)])
+def test_training_with_vllm_on_two_gloo_ranks(zero, tmp_path):
+    records = _train(tmp_path, 2, "sokoban_text", f"train.deepspeed_config=deepspeed/{zero}_fp32.json", *FAST_TRAINING)
+    _check_vllm_training(records)

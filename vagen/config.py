@@ -69,7 +69,9 @@ class EnvConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = _f("hf", "generation engine: hf (transformers generate); vllm is planned")
+    backend: str = _f("hf", "decoding engine: hf (the transformers model being trained, one cache across turns) | "
+                            "vllm (an in-process vLLM engine per rank, weights synced after each update; settings "
+                            "in the vllm section)")
     env_groups: int = _f(4, "distinct level seeds per iteration")
     group_size: int = _f(4, "rollouts per level seed (members of a group share the seed)")
     max_turns: int = _f(3, "turns per episode at most")
@@ -115,6 +117,10 @@ class AlgoConfig:
     loss_norm_tokens: int | None = _f(None, "seq-mean-token-sum-norm: the constant each trajectory's token sum is "
                                             "divided by, whatever the padding of a micro-batch; null = the most tokens "
                                             "a trajectory can generate, rollout.max_turns x (rollout.max_new_tokens + 1)")
+    rollout_correction: str = _f("none", "rollout.backend=vllm: none | tis (truncated importance sampling: each "
+                                         "sampled token's policy loss weighted by min(p_trainer / p_vllm, "
+                                         "algo.rollout_correction_cap), for the gap between the engines)")
+    rollout_correction_cap: float = _f(2.0, "algo.rollout_correction=tis: the largest weight C")
     state_reward: str = _f("none", "grade the agent's <observation> (against the state before its actions) and "
                                    "<prediction> (the state after): none | rules (deterministic F1 of described "
                                    "relations) | judge (a local causal LM at algo.state_judge_path)")
@@ -125,6 +131,19 @@ class AlgoConfig:
     state_repeat_window: int = _f(512, "anti-hacking: the last N graded descriptions a repeat is looked for in")
     state_repeat_states: int = _f(3, "anti-hacking: a description written verbatim for more than this many different "
                                      "true states within the window scores 0")
+
+
+@dataclass
+class VLLMConfig:
+    gpu_memory_utilization: float = _f(0.5, "share of a GPU's memory the engine may take (weights, activations, "
+                                            "KV cache)")
+    max_model_len: int = _f(8192, "longest sequence (history + new tokens) the engine accepts")
+    enforce_eager: bool = _f(True, "no CUDA graphs: slower decoding, faster start and less memory")
+    tensor_parallel_size: int = _f(1, "GPUs per engine (the model split across them); 1 = one engine per rank")
+    sleep_mode: bool = _f(True, "on a GPU, release the engine's memory during the update and restore it after")
+    cpu_kv_cache_gib: float = _f(1.0, "on the CPU, GiB of memory for the engine's KV cache")
+    sync_group_mb: int = _f(512, "MB of actor weights loaded into the engine at a time after each update (under "
+                                 "ZeRO-3 gathered a group at a time)")
 
 
 @dataclass
@@ -225,6 +244,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     log: LogConfig = field(default_factory=LogConfig)
     name: str = "default"
 
@@ -243,7 +263,8 @@ CHOICES = {
     ("sft", "lr_schedule"): ("constant", "cosine"),
     ("sft", "reasoning"): ("near", "path", "plan"),
     ("env", "prompt_format"): ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling"),
-    ("rollout", "backend"): ("hf",),
+    ("rollout", "backend"): ("hf", "vllm"),
+    ("algo", "rollout_correction"): ("none", "tis"),
     ("algo", "adv_estimator"): ("turn_gae", "gae", "grpo"),
     ("algo", "token_selection"): ("all", "answer", "think_answer", "entropy"),
     ("algo", "filter_mode"): ("none", "std", "std_rev"),
@@ -329,11 +350,6 @@ def validate(cfg: Config) -> None:
     problem = model_path_error(cfg.model.path)
     if problem:
         raise ConfigError(problem)
-    if cfg.rollout.backend == "vllm":
-        raise ConfigError(
-            "rollout.backend=vllm is not implemented yet (the rollout goes through one generate "
-            "function, where a vLLM engine will plug in); use rollout.backend=hf, which runs on CPUs and GPUs"
-        )
     for (section, key), choices in CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
@@ -399,6 +415,13 @@ def validate(cfg: Config) -> None:
             "(KL as a loss term) or use algo.adv_estimator=turn_gae or gae"
         )
     _check_state_reward(cfg)
+    if cfg.algo.rollout_correction == "tis" and cfg.rollout.backend != "vllm":
+        raise ConfigError("algo.rollout_correction=tis corrects for the gap between the engine that samples and the "
+                          f"trainer, but rollout.backend={cfg.rollout.backend} samples from the trained model itself; "
+                          "set rollout.backend=vllm, or algo.rollout_correction=none")
+    if not cfg.algo.rollout_correction_cap >= 1.0:
+        raise ConfigError(f"algo.rollout_correction_cap={cfg.algo.rollout_correction_cap} must be >= 1 (a weight cap "
+                          f"below 1 shrinks every on-policy token's gradient); use e.g. 2.0")
     _check_trackers(cfg.log.trackers)
     if cfg.env.step_timeout is not None and not cfg.env.step_timeout > 0:
         raise ConfigError(f"env.step_timeout={cfg.env.step_timeout} must be > 0 seconds, or null for no limit")

@@ -75,6 +75,7 @@ def main(argv=None) -> int:
         played, stats = play(cfg, it, dist, models, decoder, envs, rewarder)  # this rank's share of the levels
         samples, filter_stats = kept_samples(cfg, dist, models, played)  # StarPO-S over all ranks
         stats.update(filter_stats)
+        rest(decoder)  # a vLLM engine on a GPU gives its memory to the update
         stats.update(train_on(samples, cfg, it, dist, models, generator, bad_steps_in_a_row))
         bad_steps_in_a_row = int(stats["update/bad_steps_in_a_row"])  # the same on every rank
         stats.update(sync_decoder(decoder, models.actor))
@@ -271,11 +272,19 @@ def train_on(samples: list, cfg, it: int, dist, models: Models, generator, bad_s
     return stats
 
 
+def rest(decoder) -> None:
+    """Engines that hold memory of their own (vLLM on a GPU, `vllm.sleep_mode`) release it during the update."""
+    if hasattr(decoder, "sleep"):
+        decoder.sleep()
+
+
 def sync_decoder(decoder, actor_engine) -> dict[str, float]:
-    """Engines with weights of their own (vLLM) load the updated actor's; `timing/weight_sync` is logged."""
+    """Engines with weights of their own (vLLM) wake up and load the updated actor's, gathered a group at a
+    time under ZeRO-3 (every rank takes part); `timing/weight_sync` is logged."""
     if not hasattr(decoder, "sync_weights"):
         return {}
-    return {"timing/weight_sync": float(decoder.sync_weights(actor_engine.module))}
+    decoder.wake_up()
+    return {"timing/weight_sync": float(decoder.sync_weights(actor_engine))}
 
 
 def report_bad_steps(cfg, it: int, bad_steps_in_a_row: int, run, is_main_process: bool) -> None:

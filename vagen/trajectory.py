@@ -95,12 +95,20 @@ def episode_to_sample(episode: Episode, encoder: ChatEncoder, model=None) -> Sam
             masks[name][start : end - 1] = torch.tensor(span_token_mask(offsets, tag_span(text, tag)), dtype=torch.float)
     grids = torch.stack(episode.image_grid_thw) if episode.image_grid_thw else None
     pixel_values = torch.cat(episode.pixel_values) if episode.pixel_values else None
+    extra = {}
+    if episode.turns and all(t.sampled_logprobs is not None for t in episode.turns):
+        # the decoding engine's log-probabilities of the sampled tokens, where it reported them (vLLM)
+        rollout_logprobs = torch.zeros(L)
+        for turn in episode.turns:
+            start = turn.span[0]
+            rollout_logprobs[start : start + len(turn.sampled_logprobs)] = torch.tensor(turn.sampled_logprobs)
+        extra["rollout_logprobs"] = rollout_logprobs
     if encoder.is_vision and model is not None:
         position_ids = rope_positions(model, ids, grids, encoder.image_pad_id)
     else:
         position_ids = torch.arange(L)
     return Sample(ids, position_ids, pixel_values=pixel_values, image_grid_thw=grids, group_id=episode.group_id,
-                  score=episode.total_reward, seed=episode.seed, **masks)
+                  score=episode.total_reward, seed=episode.seed, extra=extra, **masks)
 
 
 def collate(samples: list[Sample], pad_id: int, fields: tuple[str, ...] = (),

@@ -220,10 +220,13 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
     algo = cfg.algo
     fields = ["old_logprobs", "entropies"] + (["old_values"] if "old_values" in samples[0].extra else [])
     fields += ["ref_logprobs"] if "ref_logprobs" in samples[0].extra else []
+    fields += ["rollout_logprobs"] if "rollout_logprobs" in samples[0].extra else []
     batch = collate(samples, pad_id=0, fields=tuple(fields), with_images=False)
     loss_mask, sampled_mask = batch["loss_mask"], batch["sampled_mask"]
     rewards = batch["token_rewards"]
     metrics = {}
+    if "rollout_logprobs" in batch:
+        metrics.update(rollout_correction(samples, batch, algo))
     if "ref_logprobs" in batch:
         kl = core.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], algo.kl_kind) * sampled_mask
         metrics["actor/kl_to_ref"] = float(kl.sum() / sampled_mask.sum().clamp(min=1))
@@ -257,6 +260,25 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
     selected = adv_mask.sum()
     metrics["actor/selected_token_ratio"] = float(selected / sampled_mask.sum().clamp(min=1))
     metrics["actor/advantage_mean"] = float((advantages * loss_mask).sum() / loss_mask.sum().clamp(min=1))
+    return metrics
+
+
+def rollout_correction(samples: list[Sample], batch: dict[str, torch.Tensor], algo) -> dict[str, float]:
+    """The gap between the engine that sampled (vLLM) and the trainer over the sampled tokens, as
+    `rollout/inference_logprob_gap` (mean |difference|) and `_max`; with `algo.rollout_correction=tis`
+    each sample's `tis_weights`: min(p_trainer / p_engine, `algo.rollout_correction_cap`) per sampled
+    token, the truncated importance weight its policy loss is multiplied by. Old log-probs stay the
+    trainer's, as in verl."""
+    mask = batch["sampled_mask"] > 0
+    diff = (batch["old_logprobs"] - batch["rollout_logprobs"])[mask]
+    metrics = {"rollout/inference_logprob_gap": float(diff.abs().mean()) if diff.numel() else 0.0,
+               "rollout/inference_logprob_gap_max": float(diff.abs().max()) if diff.numel() else 0.0}
+    if algo.rollout_correction == "tis":
+        weights = torch.exp((batch["old_logprobs"] - batch["rollout_logprobs"]).clamp(max=20.0))
+        weights = weights.clamp(max=algo.rollout_correction_cap) * mask
+        for row, sample in enumerate(samples):
+            sample.extra["tis_weights"] = weights[row, : sample.length]
+        metrics["actor/tis_weight_mean"] = float(weights[mask].mean()) if mask.any() else 1.0
     return metrics
 
 
@@ -372,6 +394,7 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
     fields = ("old_logprobs", "advantages", "adv_mask", "returns")
     fields += ("old_values",) if critic_engine is not None else ()
     fields += ("ref_logprobs",) if (algo.kl_coef > 0 and not algo.kl_in_reward) else ()
+    fields += ("tis_weights",) if samples and "tis_weights" in samples[0].extra else ()
     actor = actor_engine if update_actor else None
     stats = UpdateStats(bad_steps_in_a_row)
     for _ in range(cfg.train.ppo_epochs):
@@ -436,7 +459,8 @@ def actor_loss(actor_engine, batch: dict[str, torch.Tensor], mini: MiniBatch, cf
                                          suppress_ids=suppress_ids)
     pg_loss, pg_metrics = core.ppo_policy_loss(
         logprobs, batch["old_logprobs"], batch["advantages"], batch["adv_mask"], clip_low=algo.clip_low,
-        clip_high=algo.clip_high, dual_clip=algo.dual_clip, denominator=mini.pg_den, **norm)
+        clip_high=algo.clip_high, dual_clip=algo.dual_clip, denominator=mini.pg_den, weights=batch.get("tis_weights"),
+        **norm)
     entropy = core.aggregate_loss(entropies, sampled_mask, algo.loss_agg, norm["norm_tokens"], mini.sampled_den)
     loss = pg_loss - algo.entropy_coef * entropy
     parts = {"actor/pg_loss": pg_loss.item(), "actor/entropy": entropy.item()}

@@ -107,6 +107,7 @@ def ppo_policy_loss(
     agg: str = "token-mean",
     norm_tokens: int | None = None,
     denominator: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with asymmetric clipping (clip-higher) and dual clip.
 
@@ -124,6 +125,8 @@ def ppo_policy_loss(
         dual_clip: c > 1 bounding the loss of negative-advantage tokens at -A * c, or None.
         agg: one of AGG_MODES.
         norm_tokens, denominator: see `aggregate_loss`.
+        weights: [B, L] per-token weights of the loss before aggregation, or None (truncated importance
+            sampling: min(p_old / p_behaviour, C) where another engine sampled).
 
     Returns:
         (loss 0-dim tensor, metrics) with metrics over masked-in tokens:
@@ -151,6 +154,9 @@ def ppo_policy_loss(
         bound = -advantages * dual_clip
         dual_active = (advantages < 0) & (per_token > bound)
         per_token = torch.where(dual_active, bound, per_token)
+    if weights is not None:
+        check_same_shape("ppo_policy_loss", 2, logprobs=logprobs, weights=weights)
+        per_token = per_token * weights
     loss = aggregate_loss(per_token, mask, agg, norm_tokens, denominator)
     with torch.no_grad():
         metrics = {
