@@ -6,6 +6,7 @@ second and peak accelerator memory.
     python benchmarks/bench_gpu.py                              # 3B shape, bf16, ZeRO-2, checkpointing
     python benchmarks/bench_gpu.py --shape tiny --groups 2 --group-size 2 --max-new-tokens 16   # any CPU
     python benchmarks/bench_gpu.py algo.adv_estimator=grpo     # without a critic (half the optimizer states)
+    python benchmarks/bench_gpu.py --backend vllm              # rollouts from vLLM (pip install -e ".[vllm]")
 
 Defaults: `sokoban_visual`, 16 level groups x 8 rollouts, 3 turns, 256 new tokens per turn, bf16
 weights with fp32 master weights (`deepspeed/zero2_bf16.json`), gradient checkpointing, 3 iterations
@@ -83,6 +84,8 @@ def main(argv=None) -> int:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--backend", choices=["hf", "vllm"], default="hf",
+                        help="rollout.backend: transformers generate, or vLLM (its engine sleeps during the update)")
     parser.add_argument("--cache", default="~/.cache/vagen", help="where the built-in tiny model is built")
     parser.add_argument("overrides", nargs="*", help="further section.key=value overrides")
     args = parser.parse_args(argv)
@@ -108,7 +111,7 @@ def main(argv=None) -> int:
         "rollout.max_trajectory_length=8192", f"train.iterations={args.iterations}",
         f"train.mini_batch_size={mini}", "train.micro_batch_size=4", "eval.every=0",
         f"train.run_dir={work / 'runs'}", "train.run_name=bench", "log.tensorboard=false", "log.progress=false",
-        f"model.builtin_cache={args.cache}",
+        f"model.builtin_cache={args.cache}", f"rollout.backend={args.backend}",
     ]
     if "warm_start" in {f.name for f in dataclasses.fields(config_module.ModelConfig)}:
         overrides.append("model.warm_start=none")
@@ -128,14 +131,15 @@ def main(argv=None) -> int:
         it = total("timing/iteration") / len(recs)
         generate = total("rollout/generated_tokens") / max(total("timing/generate"), 1e-9)
         update = total("update/tokens") / max(total("timing/update"), 1e-9)
-        return f"| {name} | {len(recs)} | {it:.1f} | {generate:,.0f} | {update:,.0f} |"
+        sync = total("timing/weight_sync") / len(recs)
+        return f"| {name} | {len(recs)} | {it:.1f} | {generate:,.0f} | {update:,.0f} | {sync:.2f} |"
 
     device = torch.cuda.get_device_name() if on_gpu else "CPU"
-    print(f"\n{args.shape} shape, {args.config}, {args.groups} x {args.group_size} rollouts, {args.turns} turns, "
+    print(f"\n{args.shape} shape, {args.backend} rollouts, {args.config}, {args.groups} x {args.group_size} rollouts, {args.turns} turns, "
           f"{args.max_new_tokens} new tokens, {device}; checkpoint built in {build_s:.0f} s; "
           f"peak accelerator memory {peak:.1f} GiB")
-    print("| iterations | n | s / iteration | generated tokens / s | update tokens / s |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| iterations | n | s / iteration | generated tokens / s | update tokens / s | weight sync s |")
+    print("| --- | --- | --- | --- | --- | --- |")
     print(row("first", records[:1]))
     if len(records) > 1:
         print(row("after the first", records[1:]))

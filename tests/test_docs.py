@@ -127,7 +127,8 @@ def test_the_readme_is_the_front_door():
     assert "pip install -e . && deepspeed vagen/train.py --config sokoban_visual" in lines
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for command in ("apt-get update && apt-get install -y chromium chromium-driver",
-                    'pip install -e ".[test]" && ruff check . && pytest'):
+                    'pip install -e ".[test]" && ruff check . && pytest',
+                    'bash scripts/vllm_env.sh && .venv-vllm/bin/python -m pytest -m "vllm and not slow" tests/test_vllm.py'):
         assert command in lines, command
         assert any(line.startswith(command) for line in ci), command
 

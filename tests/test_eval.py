@@ -1,6 +1,6 @@
 import json
 
-import imageio.v3 as iio
+import imageio.v2 as imageio
 import pytest
 import torch
 from PIL import Image
@@ -42,7 +42,8 @@ def test_evaluating_the_tiny_model_writes_results_with_reference_rows_and_videos
     episode = result["episodes"][0]
     # initial frame + one per executed action (one for a turn without any) + the outcome frame
     expected = 2 + sum(max(1, n) for n in episode["actions_per_turn"])
-    assert len(iio.imread(videos[1], plugin="pyav")) == expected
+    with imageio.get_reader(videos[1], format="FFMPEG") as reader:  # imageio-ffmpeg, a base dependency
+        assert reader.count_frames() == expected
     assert Image.open(videos[0]).n_frames == expected
 
 

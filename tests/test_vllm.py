@@ -399,3 +399,26 @@ def test_training_with_vllm_on_one_rank(standard_vl, tmp_path):
 def test_training_with_vllm_on_two_gloo_ranks(zero, tmp_path):
     records = _train(tmp_path, 2, "sokoban_text", f"train.deepspeed_config=deepspeed/{zero}_fp32.json", *FAST_TRAINING)
     _check_vllm_training(records)
+
+
+def _evaluate(out, backend: str) -> dict:
+    from child_env import child_env
+
+    cmd = [sys.executable, "-m", "vagen.eval", "--config", "sokoban_text", "--checkpoint", "assets:sokoban_text",
+           "--episodes", "16", "--videos", "0", "--out", str(out), f"rollout.backend={backend}"]
+    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "Traceback" not in done.stderr, done.stderr[-5000:]
+    return json.loads((out / "results.json").read_text())
+
+
+def test_evaluation_with_vllm_gives_the_greedy_results_of_hf(tmp_path):
+    """`python -m vagen.eval` on 16 held-out levels, greedy: each episode's success, return, actions and
+    response lengths (tokens) are those of the hf backend, and so are the responses the browser shows."""
+    hf = _evaluate(tmp_path / "hf", "hf")
+    vllm = _evaluate(tmp_path / "vllm", "vllm")
+    assert len(vllm["episodes"]) == 16
+    assert vllm["episodes"] == hf["episodes"]
+    assert vllm["model"] == hf["model"]
+    assert (tmp_path / "vllm" / "index.html").read_text() == (tmp_path / "hf" / "index.html").read_text()

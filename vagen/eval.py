@@ -308,8 +308,19 @@ def main(argv=None) -> int:
     episodes = args.episodes if args.episodes is not None else cfg.eval.episodes
     videos = args.videos if args.videos is not None else cfg.eval.videos
     print(f"evaluating {checkpoint} on {episodes} held-out {cfg.env.name} episodes (config {cfg.name})", flush=True)
-    summary = evaluate(model, ChatEncoder(processor), cfg, episodes, out, videos=videos, dist=dist,
-                       desc="eval" if rank == 0 else None)
+    encoder = ChatEncoder(processor)
+    decoder = None
+    if cfg.rollout.backend == "vllm":  # an engine over the evaluated checkpoint itself, on each rank
+        from vagen.decoding_vllm import VLLMDecoder, settings_from
+
+        decoder = VLLMDecoder(checkpoint, encoder, dtype=cfg.model.dtype, seed=cfg.eval.sample_seed + rank,
+                              **settings_from(cfg))
+    try:
+        summary = evaluate(model, encoder, cfg, episodes, out, videos=videos, dist=dist,
+                           desc="eval" if rank == 0 else None, decoder=decoder)
+    finally:
+        if decoder is not None:
+            decoder.close()
     if rank == 0:
         print((out / "results.md").read_text())
         print(f"results: {out / 'results.json'}  videos: {summary['videos']} (rank 0)")

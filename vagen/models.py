@@ -613,7 +613,8 @@ class ValueModel(nn.Module):
         super().__init__()
         self.backbone = backbone_of(policy)
         hidden = policy.config.get_text_config().hidden_size
-        self.value_head = nn.Linear(hidden, 1)
+        # in the backbone's dtype: ZeRO-3 flattens a module's parameters into one buffer of one dtype
+        self.value_head = nn.Linear(hidden, 1, dtype=policy.dtype)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
