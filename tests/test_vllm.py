@@ -416,9 +416,9 @@ def _evaluate(out, backend: str) -> dict:
 def test_evaluation_with_vllm_gives_the_greedy_results_of_hf(tmp_path):
     """`python -m vagen.eval` on 16 held-out levels, greedy: each episode's success, return, actions and
     response lengths (tokens) are those of the hf backend, and so are the responses the browser shows."""
-    hf = _evaluate(tmp_path / "hf", "hf")
-    vllm = _evaluate(tmp_path / "vllm", "vllm")
+    hf = _evaluate(tmp_path / "hf" / "eval", "hf")  # the page's title names its folder: the same name for both
+    vllm = _evaluate(tmp_path / "vllm" / "eval", "vllm")
     assert len(vllm["episodes"]) == 16
     assert vllm["episodes"] == hf["episodes"]
     assert vllm["model"] == hf["model"]
-    assert (tmp_path / "vllm" / "index.html").read_text() == (tmp_path / "hf" / "index.html").read_text()
+    assert (tmp_path / "vllm" / "eval" / "index.html").read_text() == (tmp_path / "hf" / "eval" / "index.html").read_text()
