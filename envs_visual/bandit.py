@@ -11,7 +11,8 @@ of a response is pulled; the episode ends after it.
 ## Observation
 `render_mode="text"` only: the two arm names, each labelled low-risk or high-risk, and after the
 pull what was received. `state()`: `{"arms": [name, name] (display order), "low_risk": name,
-"high_risk": name, "pulled": name or None, "payout": float or None}`.
+"high_risk": name, "pulled": name or None, "payout": float or None}`. `info["state_key"]` (after
+`reset` and `step`) is that `state()` made hashable, exact.
 
 ## Reward
 Low-risk arm: 0.1. High-risk arm: 1.0 with probability 0.25, else 0 (drawn from a generator seeded

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +147,24 @@ class Observation:
         assert n == len(self.images), f"{n=} placeholders but {len(self.images)=} images"
 
 
+def hashable(value) -> Hashable:
+    """Plain data as an equal-for-equal hashable value: dicts become tuples of (key, value) pairs
+    sorted by key, lists, tuples and numpy arrays tuples, sets sorted tuples, numpy scalars Python
+    numbers; everything else is kept as it is (and must be hashable)."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), hashable(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(hashable(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return tuple(hashable(v) for v in value.tolist())
+    if isinstance(value, set | frozenset):
+        return tuple(sorted(hashable(v) for v in value))
+    if isinstance(value, np.generic):
+        return value.item()
+    hash(value)  # a TypeError here names the unhashable type
+    return value
+
+
 def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise closest_choice_error(name, value, choices)
@@ -156,8 +175,10 @@ class TextActionEnv:
 
     Subclasses set `name`, `action_names` (canonical spellings) and implement `_reset(seed)`,
     `_apply(action) -> (reward, effective)`, `_success()`, `render_text()`, `render_image()`,
-    `_task_prompt()`, `_turn_prompt()` and `state()`. Environments whose answer is not a list of
-    named actions (e.g. an arithmetic expression) override `_parse_actions`.
+    `_task_prompt()`, `_turn_prompt()` and `state()`; `state_key()` (an exact hashable key of the
+    state, in every `info` as `info["state_key"]`) comes from `state()` unless overridden.
+    Environments whose answer is not a list of named actions (e.g. an arithmetic expression)
+    override `_parse_actions`.
 
     Environments whose state can be described set `state_weights` ({kind: weight}) and implement
     `state_relations()`; `step` then grades the response's `<observation>` and `<prediction>`
@@ -211,7 +232,8 @@ class TextActionEnv:
         self.steps = 0
         self.done = False
         self._reset(self.seed)
-        return self.observation(self._initial_prompt()), {"seed": self.seed, "success": False}
+        return self.observation(self._initial_prompt()), {"seed": self.seed, "success": False,
+                                                          "state_key": self.state_key()}
 
     def step(self, response: str):
         """Parse `response`, execute its actions, return (obs, reward, terminated, truncated, info)."""
@@ -260,6 +282,7 @@ class TextActionEnv:
         if self.record_frames:
             info["frames"] = frames  # (action, reward, frame) per executed action, for episode videos
         info.update(self._step_info())
+        info["state_key"] = self.state_key()
         return self.observation(self._turn_prompt(info)), float(reward), terminated, truncated, info
 
     def _state_scores(self, parsed: ParsedResponse, state_before: list[tuple[str, str, str]]) -> dict[str, Any]:
@@ -392,3 +415,17 @@ class TextActionEnv:
 
     def state(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def state_key(self) -> Hashable:
+        """An exact, hashable key of the true state the next turn starts from: equal keys mean equal
+        states (GiGPO's anchor states group turns by it). `reset` and `step` put it in
+        `info["state_key"]`. By default `state()` made hashable (`hashable`), exact when `state()` holds
+        the whole state and nothing of the history; environments whose `state()` carries history
+        (a path, a step count) or continuous poses override this."""
+        try:
+            state = self.state()
+        except NotImplementedError:
+            raise NotImplementedError(
+                f"{self.name}: state_key() needs state() (the state as plain data) or an override of "
+                "state_key() returning an exact hashable key of the state") from None
+        return hashable(state)

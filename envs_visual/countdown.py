@@ -13,6 +13,7 @@ that is not such an expression is invalid: no action, no format reward, the epis
 ## Observation
 `render_mode="text"` only: the numbers and the target. `state()`: `{"numbers": [int, ...],
 "target": int, "answer": str or None, "value": str or None (exact, e.g. "7/2"), "correct": bool}`.
+`info["state_key"]` (after `reset` and `step`) is that `state()` made hashable, exact.
 
 ## Reward
 1.0 if the expression uses exactly the given numbers (each once) and equals the target; 0.1 if it

@@ -18,6 +18,8 @@ classical FrozenLake semantics), drawn from the environment's own generator seed
 `P` player, `X` player in a hole, `√` player on the goal.
 `state()` returns the same facts as plain data: `{"size": (n, n), "player": (row, col),
 "start": (row, col), "goal": (row, col), "holes": [(row, col), ...]}` (rows from the top).
+`info["state_key"]` (after `reset` and every `step`) is that `state()` made hashable: the exact map
+and the player's cell (the slipping generator's draws are not state: they decide the next move).
 `state_relations()` gives the goal and each hole relative to the player, e.g. `("goal", "below",
 "right")` (`envs_visual.state_grader`); `describe_state()` says them in words. The state grader
 weighs the goal 0.7 and the holes 0.3 (`state_weights`).
@@ -185,7 +187,7 @@ class FrozenLakeEnv(TextActionEnv):
         self.seed, self.steps, self.done = -1, 0, False
         self._set_level(level)
         self._rng = np.random.default_rng([seed, 1])
-        return self.observation(self._initial_prompt()), {"seed": -1, "success": False}
+        return self.observation(self._initial_prompt()), {"seed": -1, "success": False, "state_key": self.state_key()}
 
     def _set_level(self, level: FrozenLakeLevel) -> None:
         self.level = level

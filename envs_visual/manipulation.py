@@ -42,7 +42,12 @@ and every object's centre and the goals in millimetres; in `render_mode="vision"
 `<image>`, a frame from a fixed camera in front of the table (`image_width` x `image_height`,
 default 168 x 168: 6 x 6 image tokens). `state()` returns the same as plain data.
 `info` adds `task`, `messages`, `holding`, `stage` (stages reached) and `sim_time` (simulated
-seconds of the turn) to the shared keys.
+seconds of the turn) to the shared keys. `info["state_key"]` (after `reset` and every `step`) is the
+seed, what the gripper holds, the gripper's position, and each object's centre, yaw and tilt,
+quantised: positions to 5 mm, angles to 5 degrees (yaw folded by the cube's 90-degree symmetry).
+Objects settle by simulation, so an exact float key would match almost nothing but the start; 5 mm
+is a quarter of the task tolerances (10-20 mm), well above the sub-millimetre jitter of a settled
+object and well below the distance any primitive that moves an object moves it.
 
 ## Reward
 
@@ -82,6 +87,7 @@ REST_TOLERANCE = 5.0  # mm: an object whose centre is this close to half its sid
 FINGER_HALF_X, FINGER_HALF_Y = 10.0, 20.0  # the closed fingers' half extents, mm
 PUSH_CLEARANCE = 15.0  # mm between the fingers and the block where a push starts
 MOVED = 1.0  # mm: an object that moved less did not move
+STATE_KEY_MM, STATE_KEY_DEGREES = 5.0, 5.0  # quanta of positions and angles in `state_key`
 
 ARITY = {"pick": 3, "place": 3, "push": 6}
 _NUMBER = r"[+-]?(?:\d{1,6}(?:\.\d{0,4})?|\.\d{1,4})"
@@ -690,6 +696,22 @@ class ManipulationEnv(TextActionEnv):
             "steps": self.steps,
             "done": self.done,
         }
+
+    def state_key(self) -> tuple:
+        """The quantised state (module docstring): `(seed, holding, gripper, objects)` with each object
+        as `(name, x, y, z, yaw, tilt)` in quanta of 5 mm and 5 degrees."""
+        self._require_reset("state_key")
+        scene = self.scene
+
+        def mm(values) -> tuple[int, ...]:
+            return tuple(round(float(v) * 1000 / STATE_KEY_MM) for v in values)
+
+        folds = round(90.0 / STATE_KEY_DEGREES)
+        objects = tuple((o.name, *mm(scene.position(o.slot)),
+                         round(scene.yaw(o.slot) / STATE_KEY_DEGREES) % folds,
+                         round(scene.tilt(o.slot) / STATE_KEY_DEGREES)) for o in self.level.objects)
+        holding = None if self.holding is None else self._label(self.holding)
+        return (self.seed, holding, mm(scene.hand()), objects)
 
     def set_object(self, name: str, x: float, y: float, z: float | None = None) -> None:
         """Put object `name` upright at (x, y, z) mm, at rest (z: resting on the table); for tests and

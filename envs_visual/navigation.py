@@ -40,6 +40,11 @@ says it in the text observation's words ("The red table is 30 degrees to my left
 away."); the state grader weighs the target 1.0 (`state_weights`).
 `info` adds `distance` (metres from the camera to the closest point of the target's footprint),
 `pose`, `target` and `blocked` (blocked moves this turn) to the shared keys.
+`info["state_key"]` (after `reset` and every `step`) is `(seed, x, y, yaw, pitch)` with x and y in
+whole millimetres and yaw (mod 360) and pitch in tenths of a degree, rounded: the level is the
+seed's and the pose is the whole state. Poses are sums of `step_length` moves and `rotate_degrees` /
+`look_degrees` turns kept to 1e-9, so the same pose reached along different paths gets the same key,
+while distinct reachable poses are at least a step (or a turn) apart, far more than the quantum.
 
 ## Reward
 
@@ -74,6 +79,8 @@ from envs_visual.navigation_scene import (
 from envs_visual.state_grader import NEAR_DISTANCE, egocentric_vocabulary
 
 AGENT_RADIUS = 0.18  # metres; the agent is a disc this wide for collisions
+STATE_KEY_METRES = 0.001  # quantum of x and y in `state_key`
+STATE_KEY_DEGREES = 0.1  # quantum of yaw and pitch in `state_key`
 MAX_PITCH = 60.0  # degrees up or down
 WALL_THICKNESS = 0.1
 DOOR_WIDTH = 1.0
@@ -508,6 +515,13 @@ class NavigationEnv(TextActionEnv):
             "steps": self.steps,
             "done": self.done,
         }
+
+    def state_key(self) -> tuple[int, int, int, int, int]:
+        """`(seed, x, y, yaw, pitch)` quantised (module docstring): equal for equal poses in a level."""
+        self._require_reset("state_key")
+        yaw_steps = round(360.0 / STATE_KEY_DEGREES)
+        return (self.seed, round(self.x / STATE_KEY_METRES), round(self.y / STATE_KEY_METRES),
+                round(self.yaw / STATE_KEY_DEGREES) % yaw_steps, round(self.pitch / STATE_KEY_DEGREES))
 
     def set_pose(self, x: float, y: float, yaw: float | None = None, pitch: float | None = None) -> None:
         """Put the agent at (x, y) (for tests and scripted views); raises if the pose collides."""

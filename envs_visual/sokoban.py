@@ -20,6 +20,8 @@ cell). `render_mode="text"`: the grid as text, one row per line: `#` wall, `_` f
 `X` box, `√` box on target, `P` player, `S` player on target.
 `state()` returns the same facts as plain data: `{"size": (H, W), "player": (row, col),
 "boxes": [(row, col), ...], "targets": [...], "walls": [...]}` (lists sorted, rows from the top).
+`info["state_key"]` (after `reset` and every `step`) is that `state()` made hashable: the exact
+layout (walls, targets) and positions (boxes, player), equal exactly when the rooms are equal.
 `state_relations()` gives each box and target relative to the player, e.g. `("box", "above",
 "left")` (`envs_visual.state_grader`); `describe_state()` says them in words ("The box is above and
 to the left of me."). The state grader weighs boxes and targets 0.5 each (`state_weights`).
@@ -436,7 +438,8 @@ class SokobanEnv(TextActionEnv):
         generated one; returns `(obs, info)` like `reset`, with `info["seed"] == -1`."""
         self.seed, self.steps, self.done = -1, 0, False
         self._set_level(level)
-        return self.observation(self._initial_prompt()), {"seed": -1, "success": self._success()}
+        return self.observation(self._initial_prompt()), {"seed": -1, "success": self._success(),
+                                                          "state_key": self.state_key()}
 
     def _set_level(self, level: SokobanLevel) -> None:
         self.level = level

@@ -91,7 +91,9 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    adv_estimator: str = _f("turn_gae", "turn_gae (TRICO) | gae (PPO) | grpo")
+    adv_estimator: str = _f("turn_gae", "turn_gae (TRICO) | gae (PPO) | grpo | gigpo (GRPO over episode returns "
+                                        "plus step groups of turns that start from the same environment state; no "
+                                        "critic)")
     token_selection: str = _f("all", "tokens that get policy gradient: all | answer | think_answer | entropy")
     top_ratio: float = _f(0.2, "entropy selection: share of generated tokens kept per sequence")
     gamma: float = _f(1.0, "token-level discount (gae, and token level of turn_gae)")
@@ -99,6 +101,10 @@ class AlgoConfig:
     gamma_turn: float = _f(0.95, "turn-level discount of turn_gae")
     lam_turn: float = _f(1.0, "turn-level GAE lambda of turn_gae")
     grpo_norm_by_std: bool = _f(True, "grpo: divide by in-group std (false = Dr.GRPO)")
+    step_gamma: float = _f(0.95, "gigpo: discount of each turn's return-to-go, the score its step group compares")
+    step_weight: float = _f(1.0, "gigpo: weight omega of the step-level advantage in A_episode + omega x A_step")
+    gigpo_norm: str = _f("mean_std", "gigpo: normalisation within episode groups and step groups alike: mean_std "
+                                     "(minus the group mean, over the group std) | mean (minus the group mean only)")
     whiten_advantages: bool = _f(True, "gae/turn_gae: whiten advantages over the batch")
     filter_mode: str = _f("none", "reward-std group filter: none | std | std_rev")
     filter_keep_ratio: float = _f(0.25, "share of groups kept by the reward-std filter")
@@ -265,7 +271,8 @@ CHOICES = {
     ("env", "prompt_format"): ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling"),
     ("rollout", "backend"): ("hf", "vllm"),
     ("algo", "rollout_correction"): ("none", "tis"),
-    ("algo", "adv_estimator"): ("turn_gae", "gae", "grpo"),
+    ("algo", "adv_estimator"): ("turn_gae", "gae", "grpo", "gigpo"),
+    ("algo", "gigpo_norm"): ("mean_std", "mean"),
     ("algo", "token_selection"): ("all", "answer", "think_answer", "entropy"),
     ("algo", "filter_mode"): ("none", "std", "std_rev"),
     ("algo", "kl_kind"): ("k1", "k2", "k3", "abs"),
@@ -387,11 +394,16 @@ def validate(cfg: Config) -> None:
     if cfg.sft.cell_questions and (cfg.env.name not in ("frozenlake", "sokoban") or cfg.env.render_mode != "vision"):
         raise ConfigError(f"sft.cell_questions={cfg.sft.cell_questions} asks about FrozenLake or Sokoban frames, but env.name="
                           f"{cfg.env.name} and env.render_mode={cfg.env.render_mode}; set sft.cell_questions=0")
-    if algo.adv_estimator == "grpo" and ro.group_size < 2:
+    if algo.adv_estimator in ("grpo", "gigpo") and ro.group_size < 2:
         raise ConfigError(
-            f"algo.adv_estimator=grpo compares rollouts within a group, but rollout.group_size="
+            f"algo.adv_estimator={algo.adv_estimator} compares rollouts within a group, but rollout.group_size="
             f"{ro.group_size}; set rollout.group_size=2 or more (8-16 is usual)"
         )
+    if not 0.0 <= algo.step_gamma <= 1.0:
+        raise ConfigError(f"algo.step_gamma={algo.step_gamma} must be in [0, 1] (0.95 is usual)")
+    if not (math.isfinite(algo.step_weight) and algo.step_weight >= 0.0):
+        raise ConfigError(f"algo.step_weight={algo.step_weight} must be a finite number >= 0 (1.0 is usual; 0 leaves "
+                          f"only the episode-level advantage, i.e. GRPO)")
     if algo.filter_mode != "none" and ro.group_size < 2:
         raise ConfigError(
             f"algo.filter_mode={algo.filter_mode} ranks groups by in-group reward std, which needs "
@@ -408,10 +420,11 @@ def validate(cfg: Config) -> None:
     for key in ("gamma", "lam", "gamma_turn", "lam_turn"):
         if not 0.0 <= getattr(algo, key) <= 1.0:
             raise ConfigError(f"algo.{key}={getattr(algo, key)} must be in [0, 1]")
-    if algo.kl_in_reward and algo.kl_coef > 0 and algo.adv_estimator == "grpo":
+    if algo.kl_in_reward and algo.kl_coef > 0 and algo.adv_estimator in ("grpo", "gigpo"):
+        uses = "each trajectory's score" if algo.adv_estimator == "grpo" else "each turn's reward"
         raise ConfigError(
-            "algo.kl_in_reward=true subtracts the KL penalty from per-token rewards, but algo.adv_estimator=grpo "
-            "uses only each trajectory's score, so the penalty would be ignored; set algo.kl_in_reward=false "
+            f"algo.kl_in_reward=true subtracts the KL penalty from per-token rewards, but algo.adv_estimator="
+            f"{algo.adv_estimator} uses only {uses}, so the penalty would be ignored; set algo.kl_in_reward=false "
             "(KL as a loss term) or use algo.adv_estimator=turn_gae or gae"
         )
     _check_state_reward(cfg)

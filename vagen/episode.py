@@ -55,6 +55,10 @@ class Turn:
     # The decoding engine's log-probability of each generated id (without an appended <|im_end|>),
     # where the engine reports them (vLLM); the trainer's own are computed at the update.
     sampled_logprobs: list[float] | None = None
+    # The environment's `info["state_key"]` of the state this turn started from (from `reset` for the
+    # first turn, from the previous `step` after): the anchor state GiGPO groups turns by. None when the
+    # environment gives none.
+    state_key: Any = None
 
 
 @dataclass
@@ -72,6 +76,7 @@ class Episode:
     success: bool = False
     truncated_by_length: bool = False
     initial_observation: Any = None
+    initial_state_key: Any = None  # the environment's `info["state_key"]` after `reset`
     error: str | None = None  # the environment raised: its exception in one line; the episode ended there
 
     @property

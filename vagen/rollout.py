@@ -82,8 +82,9 @@ def reset_envs(envs: list, env_cfg, seeds: list[int], group_size: int) -> tuple[
         group = i // group_size
         try:
             with time_limit(env_cfg.step_timeout):
-                obs, _ = env.reset(seed=seeds[group])
-            episodes.append(Episode(env_cfg.name, seeds[group], group, env.system_prompt(), initial_observation=obs))
+                obs, info = env.reset(seed=seeds[group])
+            episodes.append(Episode(env_cfg.name, seeds[group], group, env.system_prompt(), initial_observation=obs,
+                                    initial_state_key=info.get("state_key")))
         except Exception as err:
             episodes.append(Episode(env_cfg.name, seeds[group], group, "", done=True,
                                     error=f"reset: {env_error_summary(err)}"))
@@ -136,6 +137,7 @@ def close_turn(encoder: ChatEncoder, ep: Episode, env, observations: list, i: in
     start = len(ep.input_ids)
     ep.input_ids += ids
     obs = observations[i]
+    state_key = ep.turns[-1].info.get("state_key") if ep.turns else ep.initial_state_key
     try:
         with time_limit(step_timeout):
             next_obs, reward, terminated, truncated, info = env.step(text)
@@ -149,7 +151,7 @@ def close_turn(encoder: ChatEncoder, ep: Episode, env, observations: list, i: in
     end_sampled = encoder.sampled_end(new.ids)
     logprobs = None if new.logprobs is None else list(new.logprobs[: len(ids) - (not end_sampled)])
     ep.turns.append(Turn(obs.text, obs.images, text, reward, info, (start, len(ep.input_ids)), len(ids),
-                         end_sampled=end_sampled, sampled_logprobs=logprobs))
+                         end_sampled=end_sampled, sampled_logprobs=logprobs, state_key=state_key))
     ep.success = bool(info.get("success", False))
     observations[i] = next_obs
     if terminated or truncated:

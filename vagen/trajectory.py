@@ -44,6 +44,7 @@ class Sample:
     seed: int
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # old_logprobs, values, advantages, ...
     sampled_mask: torch.Tensor | None = None  # None: every generated token was sampled (= loss_mask)
+    state_keys: list | None = None  # per turn, the environment's key of the state it started from (Turn.state_key)
 
     def __post_init__(self):
         if self.sampled_mask is None:
@@ -108,7 +109,8 @@ def episode_to_sample(episode: Episode, encoder: ChatEncoder, model=None) -> Sam
     else:
         position_ids = torch.arange(L)
     return Sample(ids, position_ids, pixel_values=pixel_values, image_grid_thw=grids, group_id=episode.group_id,
-                  score=episode.total_reward, seed=episode.seed, extra=extra, **masks)
+                  score=episode.total_reward, seed=episode.seed, extra=extra,
+                  state_keys=[turn.state_key for turn in episode.turns], **masks)
 
 
 def collate(samples: list[Sample], pad_id: int, fields: tuple[str, ...] = (),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import reprlib
 from dataclasses import dataclass
 
 import torch
@@ -243,9 +244,13 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
     elif algo.adv_estimator == "turn_gae":
         advantages, returns = core.turn_level_gae(rewards, batch["old_values"], loss_mask, batch["turn_end_mask"],
                                                   algo.gamma_turn, algo.lam_turn, algo.gamma, algo.lam)
+    elif algo.adv_estimator == "gigpo":
+        advantages, step_metrics = gigpo_token_advantages(samples, batch, algo)
+        returns = advantages
+        metrics.update({f"rollout/{name}": value for name, value in step_metrics.items()})
     else:
-        raise ValueError(f"unknown algo.adv_estimator {algo.adv_estimator!r}; choices: turn_gae, gae, grpo")
-    if algo.whiten_advantages and algo.adv_estimator != "grpo":
+        raise ValueError(f"unknown algo.adv_estimator {algo.adv_estimator!r}; choices: turn_gae, gae, grpo, gigpo")
+    if algo.whiten_advantages and algo.adv_estimator not in ("grpo", "gigpo"):
         # over every rank's batch, as one process with the whole batch would
         advantages = core.masked_whiten(advantages, loss_mask, reduce=all_reduce)
     # Only tokens the policy drew get policy gradient: an appended <|im_end|> keeps its advantage (the
@@ -261,6 +266,47 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
     metrics["actor/selected_token_ratio"] = float(selected / sampled_mask.sum().clamp(min=1))
     metrics["actor/advantage_mean"] = float((advantages * loss_mask).sum() / loss_mask.sum().clamp(min=1))
     return metrics
+
+
+def turn_layout(turn_end_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the turns of a [B, L] batch end: (row, col) of each turn end in order, its turn index k within
+    its row, and the number of turns per row [B]."""
+    row, col = (turn_end_mask != 0).nonzero(as_tuple=True)
+    counts = torch.bincount(row, minlength=turn_end_mask.shape[0])
+    k = torch.arange(row.numel()) - (torch.cumsum(counts, 0) - counts)[row]
+    return row, col, k, counts
+
+
+def gigpo_token_advantages(samples: list[Sample], batch: dict[str, torch.Tensor], algo):
+    """`core.gigpo_advantages` over the turns of the batch (each turn's reward sits at its turn end; its
+    anchor state is the sample's `state_keys` entry), each turn's advantage placed on every generated token
+    of that turn. Returns ([B, L] advantages, the step-group metrics)."""
+    row, col, k, counts = turn_layout(batch["turn_end_mask"])
+    shape = (len(samples), int(counts.max()) if counts.numel() else 0)
+    turn_rewards = torch.zeros(shape, dtype=torch.float64)
+    turn_rewards[row, k] = batch["token_rewards"][row, col].to(torch.float64)
+    turn_mask = torch.arange(shape[1])[None, :] < counts[:, None]
+    ids: dict = {}  # anchor state key -> int id; only equality within a level group matters
+    state_ids = torch.zeros(shape, dtype=torch.long)
+    for i, sample in enumerate(samples):
+        keys = sample.state_keys or []
+        if len(keys) != int(counts[i]) or any(key is None for key in keys):
+            raise ValueError(
+                f"algo.adv_estimator=gigpo groups turns by the state they start from, but trajectory {i} (seed "
+                f"{sample.seed}) has {int(counts[i])} turns and state keys {reprlib.repr(keys)}; every turn needs the "
+                f"environment's info['state_key'] (TextActionEnv.state_key(), recorded by vagen.rollout as "
+                f"Turn.state_key); give the environment a state() or a state_key(), or use algo.adv_estimator=grpo")
+        state_ids[i, : len(keys)] = torch.tensor([ids.setdefault(key, len(ids)) for key in keys], dtype=torch.long)
+    group_ids = torch.tensor([s.group_id for s in samples], dtype=torch.long)
+    per_turn, metrics = core.gigpo_advantages(turn_rewards, turn_mask, group_ids, state_ids, algo.step_gamma,
+                                              algo.step_weight, algo.gigpo_norm)
+    if shape[1] == 0:
+        return torch.zeros_like(batch["loss_mask"]), metrics
+    # Token t belongs to the turn whose end is the first turn end at or after t.
+    ends = (batch["turn_end_mask"] != 0).long()
+    turn_of_token = (torch.cumsum(ends, dim=1) - ends).clamp(max=shape[1] - 1)
+    advantages = per_turn.to(batch["loss_mask"].dtype).gather(1, turn_of_token) * batch["loss_mask"]
+    return advantages, metrics
 
 
 def rollout_correction(samples: list[Sample], batch: dict[str, torch.Tensor], algo) -> dict[str, float]:

@@ -3,7 +3,14 @@
 All tensors are [B, L] (B sequences, L tokens) unless a docstring says otherwise.
 """
 
-from vagen.core.advantages import gae, grpo_advantages, masked_whiten, turn_level_gae
+from vagen.core.advantages import (
+    GIGPO_NORMS,
+    gae,
+    gigpo_advantages,
+    grpo_advantages,
+    masked_whiten,
+    turn_level_gae,
+)
 from vagen.core.losses import (
     AGG_MODES,
     aggregate_loss,
@@ -25,6 +32,7 @@ from vagen.core.selection import (
 __all__ = [
     "AGG_MODES",
     "FILTER_MODES",
+    "GIGPO_NORMS",
     "SELECT_MODES",
     "CollapseMonitor",
     "aggregate_loss",
@@ -34,6 +42,7 @@ __all__ = [
     "entropy_from_logits",
     "filter_groups_by_reward_std",
     "gae",
+    "gigpo_advantages",
     "grpo_advantages",
     "kl_penalty",
     "logprobs_from_logits",

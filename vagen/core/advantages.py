@@ -1,4 +1,4 @@
-"""Advantage estimators: token-level GAE, TRICO turn-level GAE, GRPO, masked whitening.
+"""Advantage estimators: token-level GAE, TRICO turn-level GAE, GRPO, GiGPO, masked whitening.
 
 All tensors are [B, L] (B sequences, L tokens) unless stated. Masks may be bool or 0/1 of any
 dtype; an entry is "in" when it is non-zero.
@@ -21,10 +21,12 @@ import math
 
 import torch
 
-from vagen.core._checks import check_same_shape, check_unit_interval
+from vagen.core._checks import check_same_shape, check_unit_interval, unknown_choice
 from vagen.core.selection import group_moments
 
-__all__ = ["gae", "turn_level_gae", "grpo_advantages", "masked_whiten"]
+__all__ = ["GIGPO_NORMS", "gae", "turn_level_gae", "grpo_advantages", "gigpo_advantages", "masked_whiten"]
+
+GIGPO_NORMS = ("mean_std", "mean")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -259,6 +261,95 @@ def grpo_advantages(
     adv = centred / (std[inverse] + eps) if norm_by_std else centred
     adv = torch.where(degenerate[inverse], torch.zeros_like(adv), adv)
     return adv.to(out_dtype)
+
+
+def gigpo_advantages(
+    turn_rewards: torch.Tensor,
+    turn_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    state_ids: torch.Tensor,
+    gamma: float,
+    step_weight: float = 1.0,
+    norm: str = "mean_std",
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GiGPO: group-relative advantages at two levels, episodes and steps, without a critic.
+
+    Shapes: B trajectories of at most T turns. For trajectory i with level group g_i and its
+    masked-in turns t (in order; masked-out turns are skipped, not chained through):
+
+    Episode level (GRPO over episode returns within a level group):
+        R_i      = sum_t r_{i,t}
+        A_E(i)   = (R_i - mean_{j: g_j = g_i} R_j) / F
+    Step level (turns of one level group whose state before the turn is the same, the "anchor
+    state", form a step group S = {(j, u): g_j = g_i, s_{j,u} = s_{i,t}}):
+        G_{i,t}  = sum_{k >= t} gamma^(k - t) r_{i,k}           (discounted return-to-go)
+        A_S(i,t) = (G_{i,t} - mean_{(j,u) in S} G_{j,u}) / F
+    Final:
+        A(i,t)   = A_E(i) + step_weight * A_S(i,t)
+
+    F is the group's unbiased std + eps for norm="mean_std", and 1 for norm="mean" (the same at
+    both levels). A group of one (in particular a singleton step group), or whose values are all
+    equal, gets 0 at its level: both levels are `grpo_advantages` over their own groups.
+
+    Args:
+        turn_rewards: [B, T] float, each turn's reward.
+        turn_mask: [B, T] bool or 0/1, the turns that exist.
+        group_ids: [B] int, trajectories with the same id share a level (any labels).
+        state_ids: [B, T] int, an id of the state before each turn: two turns of one level group
+            are in one step group exactly when their ids are equal (ids of different level groups
+            never meet, so they may repeat across groups).
+        gamma: discount of the return-to-go, in [0, 1].
+        step_weight: omega, the weight of the step-level advantage.
+        norm: one of GIGPO_NORMS.
+        eps: added to the std.
+
+    Returns:
+        advantages: [B, T] with the float dtype of `turn_rewards` (float32 for integer rewards),
+            0 at masked-out turns;
+        metrics: {"step_group_share": share of masked-in turns in a step group of two or more,
+            "step_group_size": mean number of turns per step group}, both 0 without turns.
+    """
+    fn = "gigpo_advantages"
+    check_same_shape(fn, 2, turn_rewards=turn_rewards, turn_mask=turn_mask, state_ids=state_ids)
+    check_same_shape(fn, 1, group_ids=group_ids)
+    if group_ids.shape[0] != turn_rewards.shape[0]:
+        raise ValueError(f"{fn}: group_ids has {group_ids.shape[0]} entries but turn_rewards has "
+                         f"{turn_rewards.shape[0]} rows; give one level group id per trajectory")
+    for name, ids in (("group_ids", group_ids), ("state_ids", state_ids)):
+        if ids.is_floating_point() or ids.is_complex():
+            raise ValueError(f"{fn}: {name} must be an integer tensor, got {ids.dtype}; map each key to an int id")
+    check_unit_interval(fn, gamma=gamma)
+    if not (isinstance(step_weight, int | float) and math.isfinite(step_weight)):
+        raise ValueError(f"{fn}: step_weight must be a finite float, got {step_weight!r}")
+    if norm not in GIGPO_NORMS:
+        raise unknown_choice(fn, "norm", norm, GIGPO_NORMS)
+    norm_by_std = norm == "mean_std"
+    out_dtype = turn_rewards.dtype if turn_rewards.is_floating_point() else torch.float32
+    present = turn_mask != 0
+
+    # Episode level: one score per trajectory, broadcast to its turns.
+    returns = torch.where(present, turn_rewards.to(torch.float64), torch.zeros((), dtype=torch.float64))
+    episode = grpo_advantages(returns.sum(dim=1), group_ids, eps=eps, norm_by_std=norm_by_std)
+
+    # Step level: the masked-in turns as one flat list, grouped by (level group, anchor state).
+    row, col, dense_col, _, n_max = _compact_index(present)
+    to_go = _discounted_reverse_cumsum(_to_dense(turn_rewards, row, col, dense_col, n_max), gamma)[row, dense_col]
+    pairs = torch.stack([group_ids.to(torch.long)[row], state_ids.to(torch.long)[row, col]], dim=1)
+    if pairs.shape[0] == 0:
+        return torch.zeros(turn_rewards.shape, dtype=out_dtype, device=turn_rewards.device), {
+            "step_group_share": 0.0, "step_group_size": 0.0}
+    _, step_group = torch.unique(pairs, dim=0, return_inverse=True)
+    step = grpo_advantages(to_go, step_group, eps=eps, norm_by_std=norm_by_std)
+
+    advantages = torch.zeros(turn_rewards.shape, dtype=torch.float64, device=turn_rewards.device)
+    advantages[row, col] = episode.to(torch.float64)[row] + step_weight * step.to(torch.float64)
+    sizes = torch.bincount(step_group)
+    metrics = {
+        "step_group_share": float((sizes[step_group] >= 2).to(torch.float64).mean()),
+        "step_group_size": float(step_group.numel() / sizes.numel()),
+    }
+    return advantages.to(out_dtype), metrics
 
 
 def masked_whiten(
