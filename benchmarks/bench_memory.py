@@ -5,13 +5,14 @@ and, for comparison, built whole on every rank first (the way before it); prints
     python benchmarks/bench_memory.py                    # Qwen2.5-0.5B's text shape, 24 layers
     python benchmarks/bench_memory.py --layers 8         # the same width with 8 layers (~0.26 B)
     python benchmarks/bench_memory.py --settings zero3-1 zero3-2 --kl
+    python benchmarks/bench_memory.py --estimator grpo   # the actor alone (a 24 GiB host at 24 layers)
 
 The model is Qwen2.5-VL-shaped with random weights and the real 151,936-entry vocabulary: text hidden
 896, 14 heads / 2 key-value heads, intermediate 4864 (Qwen2.5-0.5B's text shape) and a small vision tower
 (depth 2, hidden 256), saved once as float32 safetensors under --cache with the built-in tiny VLM's
 tokenizer and image processor. Each setting is one `vagen.train` iteration (`frozenlake_visual`, 2 levels
 x 1 rollout, 1 turn of up to 4 new tokens, `deepspeed/zero3_fp32.json`, TRICO's `turn_gae`: actor and
-critic; `--kl` adds a reference) launched by the DeepSpeed launcher, one thread per rank. Every rank
+critic; `--estimator grpo`: 2 levels x 2 rollouts and the actor alone; `--kl` adds a reference) launched by the DeepSpeed launcher, one thread per rank. Every rank
 records, from /proc/self/status:
 
 - before: VmRSS just before `build_models` (torch, DeepSpeed and the process group loaded);
@@ -53,10 +54,13 @@ VISION = dict(depth=2, hidden_size=256, intermediate_size=1024, num_heads=4, out
 # name: (ranks, built partitioned)
 SETTINGS = {"zero3-1": (1, True), "zero3-2": (2, True), "zero3-2-whole": (2, False)}
 
-ITERATION = ["rollout.env_groups=2", "rollout.group_size=1", "rollout.max_turns=1", "rollout.max_new_tokens=4",
-             "train.mini_batch_size=2", "train.micro_batch_size=1", "train.iterations=1", "eval.every=0",
-             "log.progress=false", "log.tensorboard=false", "train.deepspeed_config=deepspeed/zero3_fp32.json",
-             "algo.adv_estimator=turn_gae"]
+ITERATION = ["rollout.max_turns=1", "rollout.max_new_tokens=4", "train.micro_batch_size=1", "train.iterations=1", "eval.every=0",
+             "log.progress=false", "log.tensorboard=false", "train.deepspeed_config=deepspeed/zero3_fp32.json"]
+# two levels (one per rank at 2 ranks) of one rollout each (turn_gae), or of two (grpo compares within a level)
+ESTIMATORS = {"turn_gae": ["rollout.env_groups=2", "rollout.group_size=1", "train.mini_batch_size=2",
+                           "algo.adv_estimator=turn_gae"],
+              "grpo": ["rollout.env_groups=2", "rollout.group_size=2", "train.mini_batch_size=4",
+                       "algo.adv_estimator=grpo"]}
 
 GIB = 2**30
 
@@ -207,13 +211,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_setting(name: str, ranks: int, partitioned: bool, model: Path, work: Path, kl: bool) -> list[dict]:
+def run_setting(name: str, ranks: int, partitioned: bool, model: Path, work: Path, kl: bool,
+                estimator: str = "turn_gae") -> list[dict]:
     out = work / name
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
-    train_args = ["--config", "frozenlake_visual", f"model.path={model}", *ITERATION,
+    train_args = ["--config", "frozenlake_visual", f"model.path={model}", *ITERATION, *ESTIMATORS[estimator],
                   f"algo.kl_coef={0.01 if kl else 0.0}", f"train.run_dir={out / 'runs'}", f"train.run_name={name}"]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
            str(free_port()), str(Path(__file__).resolve()), "--worker", "--out", str(out),
@@ -254,6 +259,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=24, help="text decoder layers (24: Qwen2.5-0.5B)")
     parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--kl", action="store_true", help="also run 2 partitioned ranks with algo.kl_coef=0.01")
+    parser.add_argument("--estimator", choices=sorted(ESTIMATORS), default="turn_gae",
+                        help="turn_gae: actor and critic; grpo: the actor alone (at 24 layers, fits a 24 GiB host)")
     parser.add_argument("--cache", default="~/.cache/vagen/bench_memory", help="where the checkpoint is built")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
@@ -271,11 +278,14 @@ def main(argv=None) -> int:
     model, count = build_checkpoint(args.layers, cache)
     print(f"checkpoint {model}: {count / 1e9:.3f} B parameters ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="vagen_bench_memory_"))
-    results = {name: run_setting(name, *SETTINGS[name], model, work, kl=False) for name in args.settings}
-    kl_results = {"zero3-2": run_setting("zero3-2-kl", 2, True, model, work, kl=True)} if args.kl else {}
+    results = {name: run_setting(name, *SETTINGS[name], model, work, kl=False, estimator=args.estimator)
+               for name in args.settings}
+    kl_results = ({"zero3-2": run_setting("zero3-2-kl", 2, True, model, work, kl=True, estimator=args.estimator)}
+                  if args.kl else {})
 
     print(f"\nQwen2.5-VL shape, {count / 1e9:.3f} B parameters (text hidden 896 x {args.layers} layers, vocabulary "
-          f"{VOCAB:,}), float32, ZeRO-3; actor + critic; GiB per rank\n")
+          f"{VOCAB:,}), float32, ZeRO-3; {'actor + critic' if args.estimator == 'turn_gae' else 'actor alone'}; "
+          "GiB per rank\n")
     print(table(results, kl=False))
     if kl_results:
         print(table(kl_results, kl=True).split("\n", 2)[2])
