@@ -32,6 +32,10 @@ def _f(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
+# The language model's attention and MLP projections (Qwen2, Qwen2.5-VL, Qwen3): the default LoRA targets.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass
 class ModelConfig:
     path: str = _f("builtin:tiny-vl", "the checkpoint training starts from, trained as given: a local HF checkpoint "
@@ -52,6 +56,17 @@ class ModelConfig:
     min_pixels: int | None = _f(None, "image processor min_pixels; null = the checkpoint's own")
     max_pixels: int | None = _f(None, "image processor max_pixels; null = the checkpoint's own")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    lora_rank: int = _f(0, "rank of the LoRA adapters (peft) on the language model; 0 = full fine-tuning. With LoRA the "
+                           "base weights stay frozen, the critic gets adapters of its own, and the KL reference is "
+                           "the actor with its adapters disabled (no second copy)")
+    lora_alpha: int = _f(16, "LoRA scaling: each adapted weight is W + (lora_alpha / lora_rank) B A")
+    lora_dropout: float = _f(0.0, "dropout on the adapters' inputs; 0 keeps the update's log-probabilities those of "
+                                  "the policy that sampled (the first PPO ratio is 1)")
+    lora_target_modules: list[str] = _f(list(LORA_TARGETS), "LoRA: names (last component) of the language model's "
+                                                            "linear layers that get adapters, never the vision tower's; "
+                                                            "default: every attention and MLP projection")
+    freeze_vision: bool = _f(True, "LoRA: the vision tower and merger stay frozen; false trains them fully beside the "
+                                   "adapters (saved with them). Full fine-tuning ignores it and trains the tower")
 
 
 @dataclass
@@ -428,6 +443,7 @@ def validate(cfg: Config) -> None:
             "(KL as a loss term) or use algo.adv_estimator=turn_gae or gae"
         )
     _check_state_reward(cfg)
+    _check_lora(cfg)
     if cfg.algo.rollout_correction == "tis" and cfg.rollout.backend != "vllm":
         raise ConfigError("algo.rollout_correction=tis corrects for the gap between the engine that samples and the "
                           f"trainer, but rollout.backend={cfg.rollout.backend} samples from the trained model itself; "
@@ -492,6 +508,34 @@ def _check_state_reward(cfg: Config) -> None:
                               f"config.json in {judge}; download the model beforehand and pass its directory")
 
 
+def _check_lora(cfg: Config) -> None:
+    """LoRA settings in range, and the combinations it cannot train (what needs the model loaded, such as
+    target names that do not exist, is checked by `vagen.models.add_adapters`)."""
+    m = cfg.model
+    if m.lora_rank < 0:
+        raise ConfigError(f"model.lora_rank={m.lora_rank} must be >= 0 (0 = full fine-tuning; 8-64 is usual for LoRA)")
+    if m.lora_alpha <= 0:
+        raise ConfigError(f"model.lora_alpha={m.lora_alpha} must be > 0 (16, or twice model.lora_rank, is usual)")
+    if not 0.0 <= m.lora_dropout < 1.0:
+        raise ConfigError(f"model.lora_dropout={m.lora_dropout} must be in [0, 1) (0 is the default)")
+    if not m.lora_target_modules or not all(isinstance(n, str) and n for n in m.lora_target_modules):
+        raise ConfigError(f"model.lora_target_modules={m.lora_target_modules} must list module names, e.g. "
+                          f"[{', '.join(LORA_TARGETS)}]")
+    if m.lora_rank == 0:
+        return
+    if cfg.rollout.backend == "vllm":
+        raise ConfigError(f"model.lora_rank={m.lora_rank} with rollout.backend=vllm: the vLLM engine's weight sync "
+                          f"loads whole weights, not LoRA adapters; use rollout.backend=hf (which samples the adapted "
+                          f"policy), or model.lora_rank=0 for full fine-tuning")
+    if m.path == "builtin:tiny-vl" and m.freeze_vision:
+        raise ConfigError("model.path=builtin:tiny-vl is randomly initialised: its vision tower (whose image tokens "
+                          "the built-in's hooks centre and position-code so that it can learn to read cells) has never "
+                          f"learnt to read a frame, and model.lora_rank={m.lora_rank} with model.freeze_vision=true "
+                          "would keep it frozen; start from a warm start whose tower is trained (model.path=assets:NAME, "
+                          "e.g. assets:frozenlake_visual), or set model.freeze_vision=false to train the tower fully "
+                          "beside the adapters")
+
+
 def _check_trackers(names: list) -> None:
     from vagen.trackers import TRACKERS
 
@@ -534,9 +578,18 @@ def check_training(cfg: Config) -> None:
             settings = json.loads(path.read_text())
             bf16 = settings.get("bf16", {}).get("enabled", False)
             fp16 = settings.get("fp16", {}).get("enabled", False)
+            stage = settings.get("zero_optimization", {}).get("stage", 0)
         except (json.JSONDecodeError, AttributeError) as err:
             raise ConfigError(f"train.deepspeed_config={cfg.train.deepspeed_config}: {path} is not a JSON object "
                               f"of DeepSpeed settings ({err})") from None
+        if cfg.model.lora_rank > 0 and stage == 3:
+            raise ConfigError(
+                f"model.lora_rank={cfg.model.lora_rank} with train.deepspeed_config={cfg.train.deepspeed_config} "
+                f"(ZeRO stage 3) is not supported: the log-probabilities' checkpointed LM head is frozen under LoRA, "
+                f"and ZeRO-3 does not gather a frozen head's weight again when backward recomputes it; use ZeRO-0 or "
+                f"ZeRO-2 (train.deepspeed_config=deepspeed/zero0_fp32.json, or deepspeed/zero2_bf16.json with "
+                f"model.dtype=bfloat16): with LoRA the optimizer states are the adapters' alone, which ZeRO-3 would "
+                f"mostly have saved")
         if cfg.model.dtype == "float32" and (bf16 or fp16):
             half = "bfloat16" if bf16 else "float16"
             raise ConfigError(
@@ -553,6 +606,12 @@ def check_training(cfg: Config) -> None:
                 f"with \"bf16\": {{\"enabled\": true}} (fp32 master weights), e.g. "
                 f"train.deepspeed_config=deepspeed/zero2_bf16.json, or model.dtype=float32"
             )
+    if cfg.model.lora_rank > 0:
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise ConfigError(f"model.lora_rank={cfg.model.lora_rank} builds its adapters with the peft library, which "
+                              f"is not installed; pip install -e \".[lora]\" (or model.lora_rank=0)")
     from vagen.trackers import missing_packages_error
 
     problem = missing_packages_error(cfg.log.trackers)  # before any work, not at the first log

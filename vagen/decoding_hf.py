@@ -34,7 +34,7 @@ from PIL import Image
 
 from vagen.decoding import Generated, Sampling, draw, ends_turn
 from vagen.distributed import Lockstep
-from vagen.models import cache_argument, rope_positions
+from vagen.models import cache_argument, rope_positions, without_wrapper
 
 
 def idle_inputs(encoder, with_image: bool) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
@@ -56,7 +56,7 @@ class HFDecoder:
         self.model, self.encoder, self.keep_cache = model, encoder, keep_cache
         self.lockstep = Lockstep(model)
         self.device = self.lockstep.device
-        self.cache_arg = cache_argument(type(model))
+        self.cache_arg = cache_argument(type(without_wrapper(model)))  # a LoRA policy's wrapper passes it on
         self.suppress = torch.tensor(encoder.suppress_ids, dtype=torch.long, device=self.device)
         self.token_text: dict[int, str] = {}
         self.start_rollout()

@@ -480,8 +480,72 @@ def tokenizer_of(processor):
 
 
 def backbone_of(model: nn.Module) -> nn.Module:
-    """The transformer under the language-model head (returns hidden states, no logits)."""
-    return model.model
+    """The transformer under the language-model head (returns hidden states, no logits); its LoRA layers,
+    if any, stay in place and active."""
+    return without_wrapper(model).model
+
+
+# -- LoRA adapters (peft) ------------------------------------------------------------------------------
+
+def without_wrapper(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft `PeftModel` (its LoRA layers are injected in place, so they
+    stay active: only the wrapper is left out); any other model itself."""
+    return model.get_base_model() if type(model).__module__.startswith("peft.") else model
+
+
+def has_adapters(model) -> bool:
+    """Whether `model` (or the DeepSpeed engine around it) is a peft `PeftModel`."""
+    return type(getattr(model, "module", model)).__module__.startswith("peft.")
+
+
+def _in_vision_tower(name: str) -> bool:
+    return "visual" in name.split(".")
+
+
+def lora_targets(model: nn.Module, names: list[str]) -> list[str]:
+    """Full names of the language model's linear layers whose last name component is in `names` (the
+    vision tower's and the LM head are never adapted). Raises ValueError naming the valid names when one
+    of `names` matches nothing."""
+    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not _in_vision_tower(n)
+              and n.rsplit(".", 1)[-1] != "lm_head"]
+    valid = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    missing = [name for name in names if name not in valid]
+    if missing:
+        raise ValueError(f"model.lora_target_modules={list(names)}: {missing} name no linear layer of "
+                         f"{type(model).__name__}'s language model; valid names: {', '.join(valid)}; set "
+                         f"model.lora_target_modules to some of them")
+    return [n for n in linear if n.rsplit(".", 1)[-1] in names]
+
+
+def add_adapters(model: nn.Module, model_cfg) -> nn.Module:
+    """`model` as a peft `PeftModel` with LoRA adapters (`model.lora_*`) on its language model's target
+    layers; every base weight frozen. With `model.freeze_vision=false` the vision tower (merger
+    included) trains fully as one of peft's `modules_to_save`: a trainable copy saved with the adapters,
+    while `disable_adapter()` runs the original (the reference)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_targets(model, model_cfg.lora_target_modules)
+    has_tower = any(_in_vision_tower(n) for n, _ in model.named_modules())
+    config = LoraConfig(r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=model_cfg.lora_dropout,
+                        target_modules=targets, bias="none",
+                        modules_to_save=["visual"] if has_tower and not model_cfg.freeze_vision else None)
+    # Adapters in the base's dtype (peft would make them float32 under a bfloat16 base): DeepSpeed keeps float32
+    # master weights itself, and ZeRO-3 flattens a module's trainable parameters into one buffer of one dtype.
+    return get_peft_model(model, config, autocast_adapter_dtype=False)
+
+
+class AdaptersOff:
+    """The KL reference of a LoRA policy: the actor's engine (or model) called with its adapters disabled
+    (peft's `disable_adapter()`), i.e. the base model, at no memory beyond the actor's. Passes for the
+    model wherever log-probabilities are computed (`vagen.update.token_logprobs`)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.module = getattr(model, "module", model)
+
+    def __call__(self, *args, **kwargs):
+        with self.module.disable_adapter():
+            return self.model(*args, **kwargs)
 
 
 # -- running models ----------------------------------------------------------------------------------
@@ -490,7 +554,7 @@ def rope_positions(model, input_ids: torch.Tensor, image_grid_thw: torch.Tensor 
     """M-RoPE position ids [3, L] of one unpadded sequence from the model's rope-index function."""
     if image_grid_thw is None or image_pad_id is None:
         return torch.arange(input_ids.shape[0]).expand(3, -1).clone()
-    inner = model.model
+    inner = backbone_of(model)
     ids = input_ids[None]
     mm_types = (ids == image_pad_id).int()
     positions, _ = inner.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=image_grid_thw)
@@ -546,7 +610,7 @@ def forward_shared_prefix(model, inputs: dict[str, torch.Tensor], logits_to_keep
     reads [B, L, H] (the head itself does not run). Otherwise `model` is a backbone: returns its last
     hidden state [B, L, H].
     """
-    module = getattr(model, "module", model)  # a DeepSpeed engine forwards to .module
+    module = without_wrapper(getattr(model, "module", model))  # a DeepSpeed engine forwards to .module
     if final_hidden:
         assert logits_to_keep is None, "final_hidden returns hidden states, not logits"
         # The head computes no logits, and the backbone's output is caught on its way to the head:
@@ -643,7 +707,19 @@ class ValueModel(nn.Module):
         state = {}
         for shard in sorted((out_dir / "backbone").glob("*.safetensors")):
             state.update(load_file(shard))
-        missing, unexpected = self.backbone.load_state_dict(state, strict=False)
+        saved_adapters = (out_dir / "backbone" / "adapter_config.json").exists()
+        if saved_adapters != has_adapters(self.backbone):
+            raise RuntimeError(f"critic checkpoint {out_dir} was saved {'with' if saved_adapters else 'without'} LoRA "
+                               f"adapters, but this critic is built {'with' if has_adapters(self.backbone) else 'without'} "
+                               f"them; set model.lora_rank as the run that saved it did, or leave model.critic_path unset")
+        if saved_adapters:  # the adapters (peft format); the frozen base is model.path's
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.backbone, state)
+            missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
+            unexpected = list(result.unexpected_keys)
+        else:
+            missing, unexpected = self.backbone.load_state_dict(state, strict=False)
         if unexpected or missing:
             raise RuntimeError(f"critic checkpoint {out_dir} does not match the model: unexpected {unexpected[:5]}, "
                                f"missing {missing[:5]}; pass a critic saved from the same architecture")

@@ -6,7 +6,9 @@ checkpoints with a pointer to the latest, resuming, and periodic evaluation.
         metrics.jsonl               one JSON object per iteration (slash-named metrics, warnings)
         events.out.tfevents.*       tensorboard (log.trackers: see vagen.trackers for wandb/, mlflow.db, trackio)
         trackers.json               the tracker runs' ids and last logged iterations, for resuming
-        checkpoints/step_N/actor/   Hugging Face format (model + processor), loadable with from_pretrained
+        checkpoints/step_N/actor/   Hugging Face format (model + processor), loadable with from_pretrained;
+                                    with LoRA the adapter in peft format (PeftModel.from_pretrained; merged
+                                    into a whole checkpoint by python -m vagen.merge) + processor
         checkpoints/step_N/critic/  critic backbone + value head
         checkpoints/step_N/deepspeed/  engine states (optimizer, scheduler) for resuming
         checkpoints/step_N/trainer_state.json
@@ -89,7 +91,9 @@ class RunDir:
         ckpt = self.resume_from
         for name, engine in (("actor", actor_engine), ("critic", critic_engine)):
             if engine is not None:
-                load_path, _ = engine.load_checkpoint(str(ckpt / "deepspeed"), tag=name)
+                # frozen base weights (LoRA) are not in the engine states: they come from model.path
+                load_path, _ = engine.load_checkpoint(str(ckpt / "deepspeed"), tag=name,
+                                                      load_module_strict=not _has_frozen(engine))
                 if load_path is None:
                     raise FileNotFoundError(f"no {name} engine state under {ckpt / 'deepspeed'}; the checkpoint is incomplete")
         state = json.loads((ckpt / "trainer_state.json").read_text())
@@ -169,6 +173,12 @@ def _full_state_dict(engine):
     return None
 
 
+def _has_frozen(engine) -> bool:
+    """Whether the engine's module holds frozen parameters (a LoRA model's base weights), which its engine
+    states leave out: they are model.path's, unchanged by training."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
 def forget_after(run_dir: Path, first: int) -> None:
     """Before a run resumes at iteration `first`: drop what a killed run left past its last complete
     checkpoint, the half-written checkpoints (`*.tmp`) and the metrics of iterations >= `first`, so that
@@ -214,7 +224,7 @@ def save_checkpoint(out: Path, it: int, actor_engine, critic_engine, processor, 
     barrier(dist)  # the folder exists before any rank writes its engine states into it
     for name, engine in (("actor", actor_engine), ("critic", critic_engine)):
         if engine is not None:
-            engine.save_checkpoint(str(tmp / "deepspeed"), tag=name)
+            engine.save_checkpoint(str(tmp / "deepspeed"), tag=name, exclude_frozen_parameters=_has_frozen(engine))
     barrier(dist)  # every rank's states are written
     if dist.rank == 0:
         _write_atomically(tmp / "trainer_state.json", json.dumps({"iteration": it, **(trainer_state or {})}))

@@ -131,7 +131,7 @@ def check_ranks(cfg, world_size: int) -> None:
 class Models:
     actor: object  # DeepSpeed engine of the policy
     critic: object | None  # DeepSpeed engine of the value model (gae, turn_gae)
-    reference: object | None  # frozen policy for the KL term (algo.kl_coef > 0)
+    reference: object | None  # frozen policy for the KL term (algo.kl_coef > 0); with LoRA the actor, adapters off
     processor: object
     encoder: object  # vagen.episode.ChatEncoder
 
@@ -141,18 +141,21 @@ def build_models(cfg, dist, run, is_main_process: bool) -> Models:
     python -m vagen.sft), wrapped in their DeepSpeed engines. Under ZeRO-3 every model is built
     partitioned (`partitioned_build`), and without a KL term no reference is loaded at all."""
     from vagen.episode import ChatEncoder
-    from vagen.models import base_checkpoint, load_policy
+    from vagen.models import AdaptersOff, add_adapters, base_checkpoint, load_policy
 
     path = base_checkpoint(cfg.model)
     if is_main_process:
         run.announce(cfg, path)
+    lora = cfg.model.lora_rank > 0  # the reference is then the actor with its adapters off: no copy is loaded
     with partitioned_build(cfg, dist) as partitioned:
         actor, processor = load_policy(path, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)
         critic = build_critic(cfg, path) if cfg.algo.adv_estimator in ("gae", "turn_gae") else None
-        reference = load_policy(path, cfg.model.dtype)[0] if cfg.algo.kl_coef > 0 else None
+        reference = load_policy(path, cfg.model.dtype)[0] if cfg.algo.kl_coef > 0 and not lora else None
     if cfg.model.gradient_checkpointing:
         # Non-reentrant checkpointing: gradients reach the weights even where no input requires grad.
         actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:
+        actor = add_adapters(actor, cfg.model)
     encoder = ChatEncoder(processor)
     if reference is not None:
         reference.eval().requires_grad_(False)
@@ -160,6 +163,8 @@ def build_models(cfg, dist, run, is_main_process: bool) -> Models:
         reference = make_engine(reference, cfg, 0.0, dist, frozen=True) if partitioned else reference.to(dist.device)
     actor_engine = make_engine(actor, cfg, cfg.train.actor_lr, dist)
     critic_engine = make_engine(critic, cfg, cfg.train.critic_lr, dist) if critic is not None else None
+    if lora and cfg.algo.kl_coef > 0:
+        reference = AdaptersOff(actor_engine)
     return Models(actor_engine, critic_engine, reference, processor, encoder)
 
 
@@ -184,8 +189,9 @@ def partitioned_build(cfg, dist):
 def build_critic(cfg, policy_path):
     """The value model: the policy's architecture with a value head. `model.critic_path` is a critic vagen
     saved (its backbone and head are restored), or a checkpoint to start the backbone from with a
-    zero-initialised head; without it the policy's weights and a zero head."""
-    from vagen.models import ValueModel, base_checkpoint, load_policy, saved_critic
+    zero-initialised head; without it the policy's weights and a zero head. With LoRA the backbone is
+    frozen under adapters of its own (docs/training.md, "LoRA")."""
+    from vagen.models import ValueModel, add_adapters, base_checkpoint, load_policy, saved_critic
 
     saved = saved_critic(cfg.model.critic_path) if cfg.model.critic_path else None
     path = base_checkpoint(cfg.model, cfg.model.critic_path) if cfg.model.critic_path and not saved else policy_path
@@ -193,6 +199,8 @@ def build_critic(cfg, policy_path):
     if cfg.model.gradient_checkpointing:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     critic = ValueModel(backbone)
+    if cfg.model.lora_rank > 0:  # adapters of its own on a frozen copy of the base; the value head trains whole
+        critic.backbone = add_adapters(critic.backbone, cfg.model)
     if saved is not None:
         partitioned = [p for p in critic.parameters() if hasattr(p, "ds_id")]
         if partitioned:  # ZeRO-3: every rank's share is written from the whole tensors rank 0 loads

@@ -1,0 +1,274 @@
+"""LoRA adapters (peft): only adapters and the value head train, the reference is the base model, adapters
+save in peft format and merge into a whole checkpoint, resuming restores them exactly, and LoRA settings
+that cannot work fail before any work."""
+
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+
+import vagen.train
+from vagen.config import ConfigError, check_training, load_config
+from vagen.models import AdaptersOff, add_adapters, has_adapters, load_policy, lora_targets
+from vagen.trajectory import collate, episode_to_sample
+from vagen.update import token_logprobs
+
+FAST = ["train.iterations=2", "rollout.env_groups=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
+        "rollout.max_turns=2", "train.mini_batch_size=4", "train.micro_batch_size=2", "log.progress=false"]
+# Responses long enough to parse (rewards, hence values, to learn), and a learning rate that moves the adapters
+# far enough for adapted and base log-probabilities to differ clearly.
+LORA = ["model.lora_rank=8", "rollout.max_new_tokens=64", "algo.kl_coef=0.1", "train.actor_lr=0.003", "train.critic_lr=0.01", "train.save_every=1"]
+
+
+def _train(run_dir, name, *extra):
+    """`vagen.train.main` on the shipped Sokoban warm start; returns (run directory, the run's Models)."""
+    built = []
+    real = vagen.train.build_models
+
+    def recording(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vagen.train, "build_models", recording)
+        overrides = [*FAST, *LORA, f"train.run_dir={run_dir}", f"train.run_name={name}", *extra]
+        assert vagen.train.main(["--config", "sokoban_visual", *overrides]) == 0
+    return run_dir / name, built[0]
+
+
+def _metrics(run):
+    return [{k: v for k, v in json.loads(line).items() if k != "time" and not k.startswith("timing/")}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, distributed):
+    run_dir = tmp_path_factory.mktemp("lora_runs")
+    run, models = _train(run_dir, "lora")
+    cfg = load_config("sokoban_visual", [*FAST, *LORA])
+    base_path = json.loads((run / "checkpoints" / "step_2" / "actor" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"]
+    return run, models, cfg, base_path
+
+
+@pytest.fixture(scope="module")
+def batch(lora_run):
+    """Two trajectories the trained policy plays, as a training batch."""
+    from vagen.rollout import rollout
+
+    _, models, cfg, _ = lora_run
+    episodes, _ = rollout(models.actor.module, models.encoder, cfg, [3], 2, sample_seed=5)
+    samples = [episode_to_sample(ep, models.encoder, models.actor.module) for ep in episodes]
+    return collate(samples, models.encoder.pad_id)
+
+
+def _base_name(name: str) -> str:
+    return name.replace(".base_layer.", ".")
+
+
+def test_only_the_adapters_and_the_value_head_change(lora_run):
+    run, models, cfg, base_path = lora_run
+    assert [r["iteration"] for r in _metrics(run)] == [0, 1]
+    base, _ = load_policy(base_path)
+    base_state = base.state_dict()
+    actor = models.actor.module
+    assert has_adapters(actor)
+    trained = {n for n, p in actor.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained), sorted(trained)[:5]
+    # one pair of adapters on each of the 7 projections of the 2 decoder layers, none in the vision tower
+    assert len(trained) == 2 * 7 * 2 and not any(".visual." in n for n in trained)
+    frozen = 0
+    for name, param in actor.get_base_model().named_parameters():
+        if ".lora_" in name:
+            continue
+        assert torch.equal(param, base_state[_base_name(name)]), name  # byte-identical after the updates
+        frozen += 1
+    assert frozen == len(base_state) - 1  # every weight but the LM head, which is tied to the embedding
+    lora_b = [p for n, p in actor.named_parameters() if ".lora_B." in n]
+    assert all(p.abs().max() > 0 for p in lora_b)  # zero at the start: every adapter was updated
+    # the optimizer holds the adapters alone
+    optimized = sum(p.numel() for group in models.actor.optimizer.param_groups for p in group["params"])
+    assert optimized == sum(actor.get_parameter(n).numel() for n in trained)
+
+    critic = models.critic.module
+    critic_trained = {n for n, p in critic.named_parameters() if p.requires_grad}
+    assert {"value_head.weight", "value_head.bias"} <= critic_trained
+    assert all(".lora_" in n for n in critic_trained - {"value_head.weight", "value_head.bias"})
+    assert len(critic_trained) == 2 * 7 * 2 + 2
+    for name, param in critic.backbone.get_base_model().named_parameters():
+        if ".lora_" not in name:
+            assert torch.equal(param, base_state["model." + _base_name(name)]), name
+    assert critic.value_head.weight.abs().max() > 0  # zero-initialised, then trained
+
+
+def test_the_reference_is_the_base_model(lora_run, batch):
+    _, models, cfg, base_path = lora_run
+    base, _ = load_policy(base_path)
+    base.train()  # as annotate runs the actor
+    temperature, suppress = cfg.rollout.temperature, models.encoder.suppress_ids
+    with torch.no_grad():
+        expected, _ = token_logprobs(base, batch, temperature, False, suppress)
+        reference, _ = token_logprobs(models.reference, batch, temperature, False, suppress)
+        adapted, _ = token_logprobs(models.actor, batch, temperature, False, suppress)
+    assert isinstance(models.reference, AdaptersOff) and models.reference.model is models.actor
+    mask = batch["loss_mask"].bool()
+    assert mask.sum() > 10
+    torch.testing.assert_close(reference[mask], expected[mask], rtol=0, atol=1e-6)
+    assert (adapted[mask] - expected[mask]).abs().max() > 1e-3  # the adapters are on outside the reference
+    # the adapters are back on after the reference's call
+    with torch.no_grad():
+        again, _ = token_logprobs(models.actor, batch, temperature, False, suppress)
+    assert torch.equal(again, adapted)
+
+
+def test_a_saved_adapter_loads_with_peft_and_merges_into_a_checkpoint(lora_run, batch, tmp_path):
+    from vagen.eval import resolve_checkpoint
+    from vagen.merge import main as merge_main
+    from vagen.rollout import rollout
+
+    run, models, cfg, base_path = lora_run
+    actor_dir = run / "checkpoints" / "step_2" / "actor"
+    assert not (actor_dir / "model.safetensors").exists()
+    assert (actor_dir / "adapter_model.safetensors").exists() and (actor_dir / "processor_config.json").exists()
+    base, _ = load_policy(base_path)
+    loaded = PeftModel.from_pretrained(base, str(actor_dir))
+    trained = {n: p for n, p in models.actor.module.named_parameters() if p.requires_grad}
+    loaded_state = dict(loaded.named_parameters())
+    for name, param in trained.items():
+        assert torch.equal(loaded_state[name], param), name
+
+    out = tmp_path / "merged"
+    assert merge_main([str(run), str(out)]) == 0  # the run directory: its latest checkpoint's adapter
+    assert resolve_checkpoint(str(out)) == out  # what vagen.eval loads
+    merged, _ = load_policy(out)
+    temperature, suppress = cfg.rollout.temperature, models.encoder.suppress_ids
+    mask = batch["loss_mask"].bool()
+    with torch.no_grad():
+        adapted, _ = token_logprobs(models.actor, batch, temperature, False, suppress)
+        from_merged, _ = token_logprobs(merged.train(), batch, temperature, False, suppress)
+        # Computed in float64, the saved merged weights give the adapted model's log-probabilities to 1e-5.
+        exact = [token_logprobs(m.double(), batch, temperature, False, suppress)[0][mask] for m in (merged, loaded)]
+    torch.testing.assert_close(exact[0], exact[1], rtol=0, atol=1e-5)
+    # In float32 the two computations differ by float32's own noise, seen up to 1.3e-5 at log-probs near -3
+    # (where a batch and its rows run alone differ by 7e-6): within 1e-5 plus 1e-5 of the value.
+    torch.testing.assert_close(from_merged[mask], adapted[mask], rtol=1e-5, atol=1e-5)
+
+    # the HF decoder samples the adapted policy through peft's wrapper: greedy play equals the merged model's
+    greedy = load_config("sokoban_visual", [*FAST, "rollout.temperature=0"])
+    merged.float()
+    played = [rollout(model, models.encoder, greedy, [11, 12], 1)[0] for model in (models.actor.module, merged)]
+    assert [ep.input_ids for ep in played[0]] == [ep.input_ids for ep in played[1]]
+    assert all(len(ep.turns) >= 1 for ep in played[0])
+
+
+def test_merge_says_what_it_expected(tmp_path, capsys):
+    from vagen.merge import main as merge_main
+
+    assert merge_main([str(tmp_path), str(tmp_path / "out")]) == 2
+    assert f"{tmp_path}: no LoRA adapter there (expected adapter_config.json)" in capsys.readouterr().err
+
+
+def test_resume_restores_adapters_and_optimizer_exactly(lora_run, tmp_path, distributed):
+    run, _, _, _ = lora_run
+    resumed, _ = _train(run.parent, "lora", "train.iterations=3", "train.resume=auto")
+    assert resumed == run
+    straight, _ = _train(tmp_path, "straight", "train.iterations=3")
+    assert _metrics(resumed) == _metrics(straight)
+    for part in ("actor/adapter_model.safetensors", "critic/backbone/adapter_model.safetensors"):
+        expected = load_file(straight / "checkpoints" / "step_3" / part)
+        got = load_file(resumed / "checkpoints" / "step_3" / part)
+        assert expected.keys() == got.keys() and len(expected) == 2 * 7 * 2
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), f"{part}: {key}"
+    head = [torch.load(r / "checkpoints" / "step_3" / "critic" / "value_head.pt") for r in (straight, resumed)]
+    assert torch.equal(head[0]["weight"], head[1]["weight"]) and torch.equal(head[0]["bias"], head[1]["bias"])
+    # the engine states hold the adapters, not the frozen base (but for the tied LM head, the embedding's
+    # second name, which DeepSpeed's filter of frozen parameters does not see)
+    states = list((resumed / "checkpoints" / "step_3" / "deepspeed" / "actor").glob("*model_states.pt"))
+    module = torch.load(states[0], weights_only=False)["module"]
+    assert sorted(k for k in module if ".lora_" not in k) == ["base_model.model.lm_head.weight"]
+    assert len(module) == 2 * 7 * 2 + 1
+
+
+def test_target_modules_must_name_language_model_layers(model_cache):
+    from vagen.models import resolve_model_path
+
+    model, _ = load_policy(resolve_model_path("builtin:tiny-vl", model_cache, seed=0))
+    names = lora_targets(model, ["q_proj", "down_proj"])
+    assert names == [f"model.language_model.layers.{i}.{part}" for i in (0, 1)
+                     for part in ("self_attn.q_proj", "mlp.down_proj")]
+    valid = "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"
+    with pytest.raises(ValueError) as err:
+        lora_targets(model, ["q_proj", "qkv"])  # qkv exists only in the vision tower
+    assert str(err.value) == (f"model.lora_target_modules=['q_proj', 'qkv']: ['qkv'] name no linear layer of "
+                              f"Qwen2_5_VLForConditionalGeneration's language model; valid names: {valid}; set "
+                              f"model.lora_target_modules to some of them")
+
+
+def test_freeze_vision_false_trains_the_tower_and_the_reference_keeps_the_original(model_cache):
+    from vagen.models import resolve_model_path
+
+    cfg = load_config("sokoban_visual", ["model.path=builtin:tiny-vl", "model.lora_rank=4",
+                                            "model.freeze_vision=false"])
+    path = resolve_model_path("builtin:tiny-vl", model_cache, seed=0)
+    model = add_adapters(load_policy(path)[0], cfg.model)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    tower = [n for n in trained if ".visual." in n]
+    assert tower and all(".modules_to_save.default." in n for n in tower)
+    assert len(trained) - len(tower) == 2 * 7 * 2
+    plain = load_policy(path)[0]
+    pixels = torch.randn(16, 3 * 2 * 14 * 14)  # 4 x 4 patches of 2 frames x 14 x 14 pixels
+    grid = torch.tensor([[1, 4, 4]])
+    with torch.no_grad():
+        for p in [p for n, p in model.named_parameters() if ".modules_to_save." in n]:
+            p.add_(0.1)
+        tokens = model.get_base_model().model.visual(pixels, grid_thw=grid).pooler_output
+        with model.disable_adapter():
+            original = model.get_base_model().model.visual(pixels, grid_thw=grid).pooler_output
+        expected = plain.model.visual(pixels, grid_thw=grid).pooler_output
+    assert torch.equal(original, expected) and not torch.allclose(tokens, expected)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.lora_rank=-1"], "model.lora_rank=-1 must be >= 0 (0 = full fine-tuning; 8-64 is usual for LoRA)"),
+    (["model.lora_rank=8", "model.lora_alpha=0"], "model.lora_alpha=0 must be > 0"),
+    (["model.lora_rank=8", "model.lora_dropout=1.0"], "model.lora_dropout=1.0 must be in [0, 1)"),
+    (["model.lora_rank=8", "model.lora_target_modules=[]"], "model.lora_target_modules=[] must list module names"),
+    (["model.lora_rank=8", "rollout.backend=vllm"],
+     "model.lora_rank=8 with rollout.backend=vllm: the vLLM engine's weight sync loads whole weights"),
+    (["model.lora_rank=8", "model.path=builtin:tiny-vl"],
+     "model.path=builtin:tiny-vl is randomly initialised: its vision tower"),
+])
+def test_lora_settings_that_cannot_work_fail_at_load(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("sokoban_visual", overrides)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_the_random_built_in_trains_with_lora_when_its_tower_does():
+    cfg = load_config("sokoban_visual", ["model.lora_rank=8", "model.path=builtin:tiny-vl",
+                                            "model.freeze_vision=false"])
+    assert cfg.model.lora_rank == 8 and not cfg.model.freeze_vision
+
+
+def test_lora_under_zero3_is_refused_before_any_work():
+    cfg = load_config("sokoban_visual", ["model.lora_rank=8", "model.dtype=bfloat16",
+                                            "train.deepspeed_config=deepspeed/zero3_bf16.json"])
+    with pytest.raises(ConfigError) as err:
+        check_training(cfg)
+    assert str(err.value).startswith("model.lora_rank=8 with train.deepspeed_config=deepspeed/zero3_bf16.json "
+                                     "(ZeRO stage 3) is not supported")
+    check_training(load_config("sokoban_visual", ["model.lora_rank=8", "model.dtype=bfloat16",
+                                                     "train.deepspeed_config=deepspeed/zero2_bf16.json"]))
+
+
+def test_lora_trains_under_zero2(tmp_path, distributed):
+    run, models = _train(tmp_path, "zero2", "model.dtype=bfloat16", "train.deepspeed_config=deepspeed/zero2_bf16.json")
+    assert models.actor.zero_optimization_stage() == 2
+    records = _metrics(run)
+    assert [r["iteration"] for r in records] == [0, 1] and records[-1]["actor/grad_norm"] > 0
+    lora_b = [p for n, p in models.actor.module.named_parameters() if ".lora_B." in n]
+    assert len(lora_b) == 2 * 7 and all(p.abs().max() > 0 for p in lora_b)
+    assert (run / "checkpoints" / "step_2" / "actor" / "adapter_model.safetensors").exists()
