@@ -163,6 +163,27 @@ def test_a_saved_adapter_loads_with_peft_and_merges_into_a_checkpoint(lora_run, 
     assert all(len(ep.turns) >= 1 for ep in played[0])
 
 
+def test_the_end_of_a_lora_run_says_how_to_merge_and_evaluate_it(lora_run, distributed, capsys):
+    from vagen.run import RunDir
+
+    run, _, _, _ = lora_run
+    RunDir(run, distributed).finish()
+    actor = run / "checkpoints" / (run / "checkpoints" / "latest").read_text() / "actor"
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        f"merge it: python -m vagen.merge {actor} {run / 'merged'}",
+        f"evaluate it: python -m vagen.eval --config {run / 'config.yaml'} --checkpoint {run / 'merged'} --episodes 128"]
+
+
+def test_a_target_module_that_does_not_exist_stops_training_before_any_rollout(tmp_path, distributed, played_tokens):
+    with pytest.raises(ValueError) as err:
+        vagen.train.main(["--config", "sokoban_visual", *FAST, *LORA, f"train.run_dir={tmp_path}",
+                          "model.lora_target_modules=[q_proj,attn_q]"])
+    assert str(err.value).startswith("model.lora_target_modules=['q_proj', 'attn_q']: ['attn_q'] name no linear "
+                                     "layer of Qwen2_5_VLForConditionalGeneration's language model; valid names: "
+                                     "down_proj, gate_proj, k_proj")
+    assert played_tokens == []
+
+
 def test_merge_says_what_it_expected(tmp_path, capsys):
     from vagen.merge import main as merge_main
 
@@ -264,11 +285,38 @@ def test_lora_under_zero3_is_refused_before_any_work():
                                                      "train.deepspeed_config=deepspeed/zero2_bf16.json"]))
 
 
-def test_lora_trains_under_zero2(tmp_path, distributed):
-    run, models = _train(tmp_path, "zero2", "model.dtype=bfloat16", "train.deepspeed_config=deepspeed/zero2_bf16.json")
+def test_lora_trains_under_zero2_with_gradient_checkpointing(tmp_path, distributed):
+    run, models = _train(tmp_path, "zero2", "model.dtype=bfloat16", "train.deepspeed_config=deepspeed/zero2_bf16.json",
+                         "model.gradient_checkpointing=true")
     assert models.actor.zero_optimization_stage() == 2
     records = _metrics(run)
     assert [r["iteration"] for r in records] == [0, 1] and records[-1]["actor/grad_norm"] > 0
     lora_b = [p for n, p in models.actor.module.named_parameters() if ".lora_B." in n]
     assert len(lora_b) == 2 * 7 and all(p.abs().max() > 0 for p in lora_b)
     assert (run / "checkpoints" / "step_2" / "actor" / "adapter_model.safetensors").exists()
+
+
+def test_a_killed_lora_run_resumes_exactly(tmp_path, model_cache):
+    """SIGKILL in the update of the last iteration, then train.resume=auto: the metrics and the adapters are
+    those of the run never interrupted (tests/test_resume.py's worker, on the text warm start)."""
+    from test_resume import _record
+    from test_resume import _train as train_child
+
+    lora = ["model.lora_rank=8", "algo.kl_coef=0.1", "train.iterations=3", "train.actor_lr=0.003"]
+    whole = train_child(tmp_path, model_cache, "whole", *lora)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = train_child(tmp_path, model_cache, "killed", *lora, kill=["--kill-in-update", "2"])
+    assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL
+    assert (tmp_path / "killed" / "checkpoints" / "latest").read_text() == "step_2"
+    assert len(_record(tmp_path / "killed")) == 2
+    resumed = train_child(tmp_path, model_cache, "killed", *lora, "train.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    expected = _record(tmp_path / "whole")
+    assert [r["iteration"] for r in expected] == [0, 1, 2] and expected[-1]["actor/kl_to_ref"] > 0
+    assert _record(tmp_path / "killed") == expected
+    for part in ("actor/adapter_model.safetensors", "critic/backbone/adapter_model.safetensors"):
+        want = load_file(tmp_path / "whole" / "checkpoints" / "step_3" / part)
+        got = load_file(tmp_path / "killed" / "checkpoints" / "step_3" / part)
+        assert want.keys() == got.keys() and len(want) == 2 * 7 * 2
+        assert all(torch.equal(got[k], want[k]) for k in want), part

@@ -158,12 +158,20 @@ class RunDir:
             self.trackers.close()
         if self.is_main:
             print(f"run directory: {self.path}", flush=True)
-            print(f"evaluate it: {eval_command(self.path)}", flush=True)
+            latest = self.path / "checkpoints" / "latest"
+            actor = self.path / "checkpoints" / latest.read_text().strip() / "actor" if latest.exists() else None
+            if actor is not None and (actor / "adapter_config.json").exists():  # LoRA: evaluated once merged
+                print(f"merge it: python -m vagen.merge {actor} {self.path / 'merged'}", flush=True)
+                print(f"evaluate it: {eval_command(self.path, self.path / 'merged')}", flush=True)
+            else:
+                print(f"evaluate it: {eval_command(self.path)}", flush=True)
 
 
-def eval_command(run_dir: Path) -> str:
-    """The command that evaluates the latest checkpoint of `run_dir` with the run's own config."""
-    return f"python -m vagen.eval --config {run_dir / 'config.yaml'} --checkpoint {run_dir} --episodes 128"
+def eval_command(run_dir: Path, checkpoint: Path | None = None) -> str:
+    """The command that evaluates `checkpoint` (default: the latest checkpoint of `run_dir`) with the run's
+    own config."""
+    return (f"python -m vagen.eval --config {run_dir / 'config.yaml'} --checkpoint {checkpoint or run_dir} "
+            f"--episodes 128")
 
 
 def _full_state_dict(engine):

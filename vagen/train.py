@@ -149,13 +149,12 @@ def build_models(cfg, dist, run, is_main_process: bool) -> Models:
     lora = cfg.model.lora_rank > 0  # the reference is then the actor with its adapters off: no copy is loaded
     with partitioned_build(cfg, dist) as partitioned:
         actor, processor = load_policy(path, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)
+        if cfg.model.gradient_checkpointing:
+            # Non-reentrant checkpointing: gradients reach the weights even where no input requires grad.
+            actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        actor = add_adapters(actor, cfg.model) if lora else actor  # a wrong target name fails here, first
         critic = build_critic(cfg, path) if cfg.algo.adv_estimator in ("gae", "turn_gae") else None
         reference = load_policy(path, cfg.model.dtype)[0] if cfg.algo.kl_coef > 0 and not lora else None
-    if cfg.model.gradient_checkpointing:
-        # Non-reentrant checkpointing: gradients reach the weights even where no input requires grad.
-        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora:
-        actor = add_adapters(actor, cfg.model)
     encoder = ChatEncoder(processor)
     if reference is not None:
         reference.eval().requires_grad_(False)
