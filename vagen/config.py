@@ -102,6 +102,9 @@ class RolloutConfig:
     max_trajectory_length: int = _f(4096, "tokens per trajectory at most; whole turns are dropped")
     reuse_cache: bool = _f(True, "keep each episode's keys and values across turns, so a turn feeds only its "
                                  "new tokens; false = transformers' generate over the whole history every turn")
+    reuse_iterations: int = _f(1, "rollout freshness: each batch of rollouts trains this many consecutive "
+                                  "iterations (1 = fresh rollouts every iteration); the reused iterations keep the "
+                                  "sampling policy's old log-probs and advantages, and log rollout/staleness")
 
 
 @dataclass
@@ -384,7 +387,7 @@ def validate(cfg: Config) -> None:
                 ("rollout", "max_new_tokens"), ("train", "ppo_epochs"), ("train", "mini_batch_size"),
                 ("train", "micro_batch_size"), ("env", "max_actions_per_turn"), ("sft", "batch_size"), ("sft", "max_steps"),
                 ("sft", "micro_batch_size"), ("sft", "length_window"), ("model", "builtin_layers"),
-                ("train", "max_bad_steps")]
+                ("train", "max_bad_steps"), ("rollout", "reuse_iterations")]
     for section, key in positive:
         value = getattr(getattr(cfg, section), key)
         if value < 1:

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     # costs ~0.1 s to create and holds a GL context.
     envs = [make_env(cfg.env) for _ in range(cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size)]
     progress = Progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
-    bad_steps_in_a_row, return_code = 0, 0
+    bad_steps_in_a_row, return_code, batch = 0, 0, None
 
     for it in range(start, cfg.train.iterations):
         t_iter = time.perf_counter()
@@ -72,16 +72,15 @@ def main(argv=None) -> int:
         # uninterrupted one would.
         torch.manual_seed((cfg.train.seed * 1_000_003 + it) * 1_009 + dist.rank)
         generator.manual_seed(cfg.train.seed * 1_000_003 + it)
-        played, stats = play(cfg, it, dist, models, decoder, envs, rewarder)  # this rank's share of the levels
-        samples, filter_stats = kept_samples(cfg, dist, models, played)  # StarPO-S over all ranks
-        stats.update(filter_stats)
-        rest(decoder)  # a vLLM engine on a GPU gives its memory to the update
+        batch, stats = rollouts(batch, cfg, it, dist, models, decoder, envs, rewarder)
+        played, samples = batch.played, batch.samples
         stats.update(train_on(samples, cfg, it, dist, models, generator, bad_steps_in_a_row))
         bad_steps_in_a_row = int(stats["update/bad_steps_in_a_row"])  # the same on every rank
         stats.update(sync_decoder(decoder, models.actor))
 
         # -- collapse indicators, logging, evaluation, checkpoints ------------------------------------------
-        stats.update(indicators(samples, played))
+        if batch.sampled_at == it:  # the batch's indicators, logged once
+            stats.update(indicators(samples, played))
         stats = reduce_metrics(stats, dist)
         warnings = monitor.update({k: stats[v] for k, v in WATCHED.items() if v in stats})
         stats["timing/iteration"] = time.perf_counter() - t_iter
@@ -260,10 +259,37 @@ def indicators(samples: list, played: list) -> dict[str, float]:
     return batch_indicators(scores, group_ids, samples, played)
 
 
-def train_on(samples: list, cfg, it: int, dist, models: Models, generator, bad_steps_in_a_row: int) -> dict:
-    """Old log-probs, values, advantages and token selection, then the PPO update (the critic alone during
-    `train.critic_warmup`); returns their metrics and timings."""
-    from vagen.update import annotate, compute_advantages, ppo_update
+@dataclass
+class Batch:
+    """The rollouts an iteration trains on: this rank's played episodes, the kept samples (annotated, with
+    advantages) and the iteration that sampled them (`rollout.reuse_iterations` trains a batch again)."""
+    played: list
+    samples: list
+    sampled_at: int
+
+
+def rollouts(batch: Batch | None, cfg, it: int, dist, models: Models, decoder, envs: list, rewarder):
+    """The batch iteration `it` trains on, and its metrics: fresh rollouts (played, filtered over all ranks,
+    annotated by the sampling policy), or, for `rollout.reuse_iterations` iterations in all, the last batch
+    again with its old log-probs and advantages. `rollout/staleness`: iterations since it was sampled."""
+    if batch is not None and it - batch.sampled_at < cfg.rollout.reuse_iterations:
+        stats = {"update/tokens": float(sum(s.length for s in batch.samples))}
+        rest(decoder)
+    else:
+        played, stats = play(cfg, it, dist, models, decoder, envs, rewarder)  # this rank's share of the levels
+        samples, filter_stats = kept_samples(cfg, dist, models, played)  # StarPO-S over all ranks
+        stats.update(filter_stats)
+        rest(decoder)  # a vLLM engine on a GPU gives its memory to the update
+        stats.update(prepare(samples, cfg, dist, models))
+        batch = Batch(played, samples, it)
+    stats["rollout/staleness"] = float(it - batch.sampled_at)
+    return batch, stats
+
+
+def prepare(samples: list, cfg, dist, models: Models) -> dict:
+    """Old log-probs, values and reference log-probs of the sampling policy, then advantages and token
+    selection; returns their metrics and timing."""
+    from vagen.update import annotate, compute_advantages
 
     t0 = time.perf_counter()
     models.actor.module.train()
@@ -271,8 +297,17 @@ def train_on(samples: list, cfg, it: int, dist, models: Models, generator, bad_s
              suppress_ids=models.encoder.suppress_ids)
     stats = compute_advantages(samples, cfg)
     stats["timing/annotate"] = time.perf_counter() - t0
+    return stats
+
+
+def train_on(samples: list, cfg, it: int, dist, models: Models, generator, bad_steps_in_a_row: int) -> dict:
+    """The PPO update over prepared samples (the critic alone during `train.critic_warmup`); returns its
+    metrics and timing."""
+    from vagen.update import ppo_update
+
+    models.actor.module.train()
     t0 = time.perf_counter()
-    stats.update(ppo_update(models.actor, models.critic, samples, cfg, models.encoder.pad_id, dist.device,
+    stats = dict(ppo_update(models.actor, models.critic, samples, cfg, models.encoder.pad_id, dist.device,
                             dist.world_size, generator, update_actor=it >= cfg.train.critic_warmup,
                             bad_steps_in_a_row=bad_steps_in_a_row, suppress_ids=models.encoder.suppress_ids))
     stats["timing/update"] = time.perf_counter() - t0
