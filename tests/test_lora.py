@@ -228,7 +228,8 @@ def test_target_modules_must_name_language_model_layers(model_cache):
                               f"model.lora_target_modules to some of them")
 
 
-def test_freeze_vision_false_trains_the_tower_and_the_reference_keeps_the_original(model_cache):
+def test_freeze_vision_false_trains_the_tower_and_the_reference_keeps_the_original(model_cache, tmp_path):
+    from vagen.merge import merge
     from vagen.models import resolve_model_path
 
     cfg = load_config("sokoban_visual", ["model.path=builtin:tiny-vl", "model.lora_rank=4",
@@ -250,6 +251,11 @@ def test_freeze_vision_false_trains_the_tower_and_the_reference_keeps_the_origin
             original = model.get_base_model().model.visual(pixels, grid_thw=grid).pooler_output
         expected = plain.model.visual(pixels, grid_thw=grid).pooler_output
     assert torch.equal(original, expected) and not torch.allclose(tokens, expected)
+    # the trained tower is saved with the adapters, and merging puts it in place of the original
+    model.save_pretrained(tmp_path / "adapter")
+    merged, _ = load_policy(merge(tmp_path / "adapter", tmp_path / "merged", base=path))
+    with torch.no_grad():
+        assert torch.equal(merged.model.visual(pixels, grid_thw=grid).pooler_output, tokens)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -6,7 +6,7 @@ The adapter (peft format, as `checkpoints/step_N/actor/` holds it with `model.lo
 `step_N` directory or a run directory, meaning its latest checkpoint, are accepted too) is loaded onto its
 base checkpoint, the one its adapter_config.json records unless `--base` names another, and each adapted
 weight becomes W + (lora_alpha / lora_rank) B A (peft's merge and unload). OUT_DIR receives the merged
-model and the adapter's processor: a checkpoint that `vagen.eval --checkpoint OUT_DIR`, `model.path=OUT_DIR`
+model and the adapter's processor (the base's, when none was saved with it): a checkpoint that `vagen.eval --checkpoint OUT_DIR`, `model.path=OUT_DIR`
 and `from_pretrained` load like any other.
 """
 
@@ -62,14 +62,16 @@ def merge(adapter: str | Path, out_dir: str | Path, base: str | Path | None = No
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out)
+    # the processor training used, saved beside the adapter; an adapter saved without one takes the base's
+    source = adapter if (adapter / "tokenizer_config.json").exists() else base_path
     if is_vision_checkpoint(base_path):
         from transformers import AutoProcessor
 
-        AutoProcessor.from_pretrained(adapter).save_pretrained(out)
+        AutoProcessor.from_pretrained(source).save_pretrained(out)
     else:
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(adapter).save_pretrained(out)
+        AutoTokenizer.from_pretrained(source).save_pretrained(out)
     return out
 
 
