@@ -47,6 +47,7 @@ def _metrics(run):
 def lora_run(tmp_path_factory, distributed):
     run_dir = tmp_path_factory.mktemp("lora_runs")
     run, models = _train(run_dir, "lora")
+    assert [r["iteration"] for r in _metrics(run)] == [0, 1]
     cfg = load_config("sokoban_visual", [*FAST, *LORA])
     base_path = json.loads((run / "checkpoints" / "step_2" / "actor" / "adapter_config.json").read_text())[
         "base_model_name_or_path"]
@@ -70,7 +71,6 @@ def _base_name(name: str) -> str:
 
 def test_only_the_adapters_and_the_value_head_change(lora_run):
     run, models, cfg, base_path = lora_run
-    assert [r["iteration"] for r in _metrics(run)] == [0, 1]
     base, _ = load_policy(base_path)
     base_state = base.state_dict()
     actor = models.actor.module
@@ -140,7 +140,7 @@ def test_a_saved_adapter_loads_with_peft_and_merges_into_a_checkpoint(lora_run, 
         assert torch.equal(loaded_state[name], param), name
 
     out = tmp_path / "merged"
-    assert merge_main([str(run), str(out)]) == 0  # the run directory: its latest checkpoint's adapter
+    assert merge_main([str(run / "checkpoints" / "step_2"), str(out)]) == 0  # a step directory: its actor/
     assert resolve_checkpoint(str(out)) == out  # what vagen.eval loads
     merged, _ = load_policy(out)
     temperature, suppress = cfg.rollout.temperature, models.encoder.suppress_ids
@@ -184,11 +184,15 @@ def test_a_target_module_that_does_not_exist_stops_training_before_any_rollout(t
     assert played_tokens == []
 
 
-def test_merge_says_what_it_expected(tmp_path, capsys):
+def test_merge_says_what_it_expected(lora_run, tmp_path, capsys):
+    from vagen.merge import adapter_dir
     from vagen.merge import main as merge_main
 
     assert merge_main([str(tmp_path), str(tmp_path / "out")]) == 2
     assert f"{tmp_path}: no LoRA adapter there (expected adapter_config.json)" in capsys.readouterr().err
+    run = lora_run[0]
+    latest = (run / "checkpoints" / "latest").read_text()
+    assert adapter_dir(run) == run / "checkpoints" / latest / "actor"  # a run directory: its latest checkpoint's
 
 
 def test_resume_restores_adapters_and_optimizer_exactly(lora_run, tmp_path, distributed):
@@ -274,7 +278,7 @@ def test_lora_settings_that_cannot_work_fail_at_load(overrides, message):
     assert str(err.value).startswith(message), str(err.value)
 
 
-def test_the_random_built_in_trains_with_lora_when_its_tower_does():
+def test_the_random_built_in_is_accepted_with_lora_when_its_tower_trains():
     cfg = load_config("sokoban_visual", ["model.lora_rank=8", "model.path=builtin:tiny-vl",
                                             "model.freeze_vision=false"])
     assert cfg.model.lora_rank == 8 and not cfg.model.freeze_vision
