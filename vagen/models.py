@@ -487,15 +487,19 @@ def backbone_of(model: nn.Module) -> nn.Module:
 
 # -- LoRA adapters (peft) ------------------------------------------------------------------------------
 
+def _is_peft(model) -> bool:
+    return type(model).__module__.startswith("peft.")
+
+
 def without_wrapper(model: nn.Module) -> nn.Module:
     """The transformers model inside a peft `PeftModel` (its LoRA layers are injected in place, so they
     stay active: only the wrapper is left out); any other model itself."""
-    return model.get_base_model() if type(model).__module__.startswith("peft.") else model
+    return model.get_base_model() if _is_peft(model) else model
 
 
 def has_adapters(model) -> bool:
     """Whether `model` (or the DeepSpeed engine around it) is a peft `PeftModel`."""
-    return type(getattr(model, "module", model)).__module__.startswith("peft.")
+    return _is_peft(getattr(model, "module", model))
 
 
 def _in_vision_tower(name: str) -> bool:
