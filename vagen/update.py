@@ -268,21 +268,12 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
     return metrics
 
 
-def turn_layout(turn_end_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where the turns of a [B, L] batch end: (row, col) of each turn end in order, its turn index k within
-    its row, and the number of turns per row [B]."""
-    row, col = (turn_end_mask != 0).nonzero(as_tuple=True)
-    counts = torch.bincount(row, minlength=turn_end_mask.shape[0])
-    k = torch.arange(row.numel()) - (torch.cumsum(counts, 0) - counts)[row]
-    return row, col, k, counts
-
-
 def gigpo_token_advantages(samples: list[Sample], batch: dict[str, torch.Tensor], algo):
     """`core.gigpo_advantages` over the turns of the batch (each turn's reward sits at its turn end; its
     anchor state is the sample's `state_keys` entry), each turn's advantage placed on every generated token
     of that turn. Returns ([B, L] advantages, the step-group metrics)."""
-    row, col, k, counts = turn_layout(batch["turn_end_mask"])
-    shape = (len(samples), int(counts.max()) if counts.numel() else 0)
+    row, col, k, counts, n_turns = core.compact_index(batch["turn_end_mask"] != 0)  # turn k of row ends at col
+    shape = (len(samples), n_turns)
     turn_rewards = torch.zeros(shape, dtype=torch.float64)
     turn_rewards[row, k] = batch["token_rewards"][row, col].to(torch.float64)
     turn_mask = torch.arange(shape[1])[None, :] < counts[:, None]

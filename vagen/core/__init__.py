@@ -5,6 +5,7 @@ All tensors are [B, L] (B sequences, L tokens) unless a docstring says otherwise
 
 from vagen.core.advantages import (
     GIGPO_NORMS,
+    compact_index,
     gae,
     gigpo_advantages,
     grpo_advantages,
@@ -37,6 +38,7 @@ __all__ = [
     "CollapseMonitor",
     "aggregate_loss",
     "collapse_indicators",
+    "compact_index",
     "distinct_n",
     "echo_rate",
     "entropy_from_logits",

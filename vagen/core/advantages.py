@@ -24,7 +24,7 @@ import torch
 from vagen.core._checks import check_same_shape, check_unit_interval, unknown_choice
 from vagen.core.selection import group_moments
 
-__all__ = ["GIGPO_NORMS", "gae", "turn_level_gae", "grpo_advantages", "gigpo_advantages", "masked_whiten"]
+__all__ = ["GIGPO_NORMS", "compact_index", "gae", "turn_level_gae", "grpo_advantages", "gigpo_advantages", "masked_whiten"]
 
 GIGPO_NORMS = ("mean_std", "mean")
 
@@ -32,7 +32,7 @@ GIGPO_NORMS = ("mean_std", "mean")
 # ----------------------------------------------------------------------------- helpers
 
 
-def _compact_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def compact_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Index maps between a [B, L] bool mask and its left-aligned dense form [B, N].
 
     Returns (row, col, dense_col, counts, N): masked-in entry (row[i], col[i]) of the input
@@ -129,7 +129,7 @@ def gae(
     """
     check_same_shape("gae", 2, token_rewards=token_rewards, values=values, mask=mask)
     check_unit_interval("gae", gamma=gamma, lam=lam)
-    row, col, dense_col, _, n_max = _compact_index(mask != 0)
+    row, col, dense_col, _, n_max = compact_index(mask != 0)
     r = _to_dense(token_rewards, row, col, dense_col, n_max)
     v = _to_dense(values, row, col, dense_col, n_max)
     v_next = torch.nn.functional.pad(v[:, 1:], (0, 1))  # dense padding is 0 past a row's last token
@@ -203,7 +203,7 @@ def turn_level_gae(
             f"turn_level_gae: turn_end_mask has {stray} position(s) where loss_mask is 0; a turn end "
             "must be a generated token (pass turn_end_mask & loss_mask if that is intended)"
         )
-    row, col, dense_col, counts, n_max = _compact_index(gen)
+    row, col, dense_col, counts, n_max = compact_index(gen)
     r = _to_dense(token_rewards, row, col, dense_col, n_max)
     v = _to_dense(values, row, col, dense_col, n_max)
     is_end = torch.zeros(gen.shape[0], n_max, dtype=torch.bool, device=gen.device)
@@ -213,7 +213,7 @@ def turn_level_gae(
     is_end[has_gen.nonzero(as_tuple=True)[0], counts[has_gen] - 1] = True
 
     # Turn level, on the turn ends compacted to [B, K].
-    t_row, t_col, t_dense, _, k_max = _compact_index(is_end)
+    t_row, t_col, t_dense, _, k_max = compact_index(is_end)
     r_turn = torch.zeros(gen.shape[0], k_max, dtype=torch.float64, device=gen.device)
     v_turn = torch.zeros_like(r_turn)
     r_turn[t_row, t_dense] = r[t_row, t_col]
@@ -333,7 +333,7 @@ def gigpo_advantages(
     episode = grpo_advantages(returns.sum(dim=1), group_ids, eps=eps, norm_by_std=norm_by_std)
 
     # Step level: the masked-in turns as one flat list, grouped by (level group, anchor state).
-    row, col, dense_col, _, n_max = _compact_index(present)
+    row, col, dense_col, _, n_max = compact_index(present)
     to_go = _discounted_reverse_cumsum(_to_dense(turn_rewards, row, col, dense_col, n_max), gamma)[row, dense_col]
     pairs = torch.stack([group_ids.to(torch.long)[row], state_ids.to(torch.long)[row, col]], dim=1)
     if pairs.shape[0] == 0:
