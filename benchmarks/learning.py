@@ -83,10 +83,18 @@ def parse_args(argv=None):
 
 
 def evaluate(checkpoint, cfg, seeds) -> dict:
+    """Greedy and sampled held-out metrics of a checkpoint: a whole model, or a LoRA adapter (`model.lora_rank`),
+    merged onto its base first (`vagen.merge`)."""
+    import tempfile
+
     from vagen.episode import ChatEncoder
+    from vagen.merge import merge
     from vagen.models import load_policy
     from vagen.warmstart.sft import held_out_metrics
 
+    if (Path(checkpoint) / "adapter_config.json").exists():
+        with tempfile.TemporaryDirectory(prefix="vagen_merged_") as merged:
+            return evaluate(merge(checkpoint, merged, dtype=cfg.model.dtype), cfg, seeds)
     model, processor = load_policy(Path(checkpoint), cfg.model.dtype)
     encoder = ChatEncoder(processor)
     return {"greedy": held_out_metrics(model, encoder, cfg, seeds, do_sample=False),
