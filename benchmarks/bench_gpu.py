@@ -1,4 +1,4 @@
-"""The training loop at the size of a real checkpoint: a Qwen2.5-VL-3B-shaped policy (and critic) with
+"""The training loop at the size of a real checkpoint: a Qwen2.5-VL-3B- or 7B-shaped policy (and critic) with
 random weights, built from a config (nothing downloaded), trained by `vagen.train.main` for a few
 iterations; prints seconds per iteration, rollout generated tokens per second, update tokens per
 second and peak accelerator memory.
@@ -7,6 +7,7 @@ second and peak accelerator memory.
     python benchmarks/bench_gpu.py --shape tiny --groups 2 --group-size 2 --max-new-tokens 16   # any CPU
     python benchmarks/bench_gpu.py algo.adv_estimator=grpo     # without a critic (half the optimizer states)
     python benchmarks/bench_gpu.py --backend vllm              # rollouts from vLLM (pip install -e ".[vllm]")
+    python benchmarks/bench_gpu.py --shape 7b model.lora_rank=8 algo.adv_estimator=grpo   # 7B with LoRA
 
 Defaults: `sokoban_visual`, 16 level groups x 8 rollouts, 3 turns, 256 new tokens per turn, bf16
 weights with fp32 master weights (`deepspeed/zero2_bf16.json`), gradient checkpointing, 3 iterations
@@ -39,6 +40,16 @@ SHAPES = {
         "vision": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
                        fullatt_block_indexes=[7, 15, 23, 31], window_size=112),
     },
+    # Qwen2.5-VL-7B-Instruct's published shape (untied embeddings, a 152,064-entry vocabulary).
+    "7b": {
+        "text": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                     num_key_value_heads=4, vocab_size=152_064, max_position_embeddings=32_768,
+                     tie_word_embeddings=False),
+        "mrope_section": [16, 24, 24],
+        "vision": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                       fullatt_block_indexes=[7, 15, 23, 31], window_size=112),
+        "tie_word_embeddings": False,
+    },
     "tiny": None,  # the built-in tiny VLM as it is
 }
 
@@ -64,6 +75,8 @@ def build_checkpoint(shape: str, out: Path, cache: str) -> Path:
         text.head_dim = text.hidden_size // text.num_attention_heads
     for key, value in spec["vision"].items():
         setattr(config.vision_config, key, value)
+    if "tie_word_embeddings" in spec:
+        config.tie_word_embeddings = spec["tie_word_embeddings"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     with torch.device(device):

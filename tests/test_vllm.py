@@ -395,6 +395,15 @@ def test_training_with_vllm_on_one_rank(standard_vl, tmp_path):
     _check_vllm_training(records)
 
 
+def test_training_with_vllm_and_per_turn_samples(standard_vl, tmp_path):
+    """With rollout.context=window vLLM generates from each turn's window (frames included), and the trainer's
+    log-probabilities of the window samples are the engine's."""
+    records = _train(tmp_path, 1, "sokoban_visual", f"model.path={standard_vl}", *FAST_TRAINING,
+                     "rollout.max_turns=3", "rollout.context=window", "rollout.window_turns=1")
+    _check_vllm_training(records)
+    assert all(record["rollout/turns"] > 2 for record in records)  # the window slid
+
+
 @pytest.mark.parametrize("zero", ["zero0", pytest.param("zero3", marks=pytest.mark.slow)])
 def test_training_with_vllm_on_two_gloo_ranks(zero, tmp_path):
     records = _train(tmp_path, 2, "sokoban_text", f"train.deepspeed_config=deepspeed/{zero}_fp32.json", *FAST_TRAINING)

@@ -1,6 +1,7 @@
 """Run under the DeepSpeed launcher by tests/test_zero3.py: one iteration of `vagen.train` (rollout,
 update with a KL term, evaluation, checkpoint) on two ranks with ZeRO-0, then twice with ZeRO-3 and every
-parameter partitioned (decoding with the cache kept across turns, and with it dropped every turn).
+parameter partitioned (decoding with the cache kept across turns, and with it dropped every turn); then
+with per-turn samples (`rollout.context=window`) under ZeRO-0 and ZeRO-3.
 Each rank also records, for every model it loads, whether the model came partitioned out of loading.
 
 The ranks play unequal episodes: rank 0 three turns of up to 8 new tokens, rank 1 one turn of up to 4;
@@ -23,10 +24,14 @@ COMMON = ["model.path=builtin:tiny-vl", "rollout.env_groups=2", "rollout.group_s
 # Rank 1's histories reach their length limit after one turn (the first prompt is 182 tokens, the second
 # observation 77), as episodes that end early would.
 PER_RANK = [["rollout.max_new_tokens=8"], ["rollout.max_new_tokens=4", "rollout.max_trajectory_length=220"]]
+WINDOW = ["rollout.context=window", "rollout.window_turns=1"]
 # ZeRO-3 twice: with the cache kept across turns (TurnGenerator) and with transformers' generate.
 STAGES = {"zero0": ["train.deepspeed_config=deepspeed/zero0_fp32.json"],
           "zero3": ["train.deepspeed_config=deepspeed/zero3_fp32.json"],
-          "zero3_generate": ["train.deepspeed_config=deepspeed/zero3_fp32.json", "rollout.reuse_cache=false"]}
+          "zero3_generate": ["train.deepspeed_config=deepspeed/zero3_fp32.json", "rollout.reuse_cache=false"],
+          # per-turn samples, each turn's prompt a window of one earlier turn: ZeRO-0, then ZeRO-3
+          "zero0_window": ["train.deepspeed_config=deepspeed/zero0_fp32.json", *WINDOW],
+          "zero3_window": ["train.deepspeed_config=deepspeed/zero3_fp32.json", *WINDOW]}
 
 calls: list[dict] = []
 

@@ -102,6 +102,11 @@ class RolloutConfig:
     max_trajectory_length: int = _f(4096, "tokens per trajectory at most; whole turns are dropped")
     reuse_cache: bool = _f(True, "keep each episode's keys and values across turns, so a turn feeds only its "
                                  "new tokens; false = transformers' generate over the whole history every turn")
+    context: str = _f("full", "what each turn's prompt holds: full (the whole episode so far; one training sequence "
+                              "per trajectory) | window (the system prompt, the last rollout.window_turns turns and "
+                              "the new observation; each turn is its own training sample)")
+    window_turns: int = _f(2, "rollout.context=window: earlier turns (observation, frames and response) kept in each "
+                              "turn's prompt; 0 = the new observation alone")
     reuse_iterations: int = _f(1, "rollout freshness: each batch of rollouts trains this many consecutive "
                                   "iterations (1 = fresh rollouts every iteration); the reused iterations keep the "
                                   "sampling policy's old log-probs and advantages, and log rollout/staleness")
@@ -183,8 +188,10 @@ class TrainConfig:
                                 "step; 0 = constant")
     grad_clip: float = _f(1.0, "gradient norm clip")
     ppo_epochs: int = _f(1, "passes over each rollout batch")
-    mini_batch_size: int = _f(16, "trajectories per optimizer step (global)")
-    micro_batch_size: int = _f(4, "trajectories per forward/backward (per rank)")
+    mini_batch_size: int = _f(16, "trajectories per optimizer step (global); with rollout.context=window, every turn "
+                                   "sample of that many trajectories")
+    micro_batch_size: int = _f(4, "sequences per forward/backward (per rank): trajectories, or turn samples with "
+                                  "rollout.context=window")
     deepspeed_config: str = _f("deepspeed/zero0_fp32.json", "DeepSpeed JSON, relative to configs/")
     run_dir: str = _f("runs", "parent directory of run directories")
     run_name: str | None = _f(None, "run directory name; null = <config>-<time>")
@@ -288,6 +295,7 @@ CHOICES = {
     ("sft", "reasoning"): ("near", "path", "plan"),
     ("env", "prompt_format"): ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling"),
     ("rollout", "backend"): ("hf", "vllm"),
+    ("rollout", "context"): ("full", "window"),
     ("algo", "rollout_correction"): ("none", "tis"),
     ("algo", "adv_estimator"): ("turn_gae", "gae", "grpo", "gigpo"),
     ("algo", "gigpo_norm"): ("mean_std", "mean"),
@@ -462,6 +470,9 @@ def validate(cfg: Config) -> None:
     if algo.loss_norm_tokens is not None and algo.loss_norm_tokens < 1:
         raise ConfigError(f"algo.loss_norm_tokens={algo.loss_norm_tokens} must be >= 1, or null for "
                           f"rollout.max_turns x (rollout.max_new_tokens + 1)")
+    if ro.window_turns < 0:
+        raise ConfigError(f"rollout.window_turns={ro.window_turns} must be >= 0 (the earlier turns each prompt keeps; "
+                          f"2 is usual)")
     if ro.top_k < 0:
         raise ConfigError(f"rollout.top_k={ro.top_k} must be >= 0 (0 = off)")
     if ro.temperature < 0 or not 0 < ro.top_p <= 1:

@@ -46,7 +46,9 @@ class Turn:
     response: str
     reward: float
     info: dict[str, Any]
-    span: tuple[int, int]  # [start, end) of the generated ids (closing <|im_end|> included) in Episode.input_ids
+    # [start, end) of the generated ids (closing <|im_end|> included) in Episode.input_ids, or with
+    # rollout.context=window in the turn's own sequence, `context.input_ids`
+    span: tuple[int, int]
     response_length: int  # generated tokens, the closing <|im_end|> included
     # Whether the policy sampled the closing <|im_end|> itself. When generation stopped at `</answer>`,
     # at rollout.max_new_tokens or on <|endoftext|>, the <|im_end|> was appended: it ends the turn for
@@ -59,10 +61,41 @@ class Turn:
     # first turn, from the previous `step` after): the anchor state GiGPO groups turns by. None when the
     # environment gives none.
     state_key: Any = None
+    # rollout.context=window: the sequence this turn was generated from and is trained on (its window of
+    # earlier turns, its observation, its response); None with rollout.context=full, where it is the
+    # episode's own
+    context: TurnContext | None = None
+
+
+@dataclass
+class TurnContext:
+    """What one turn's policy saw and produced with rollout.context=window: the system prompt, the window's
+    earlier turns (observations, frames and responses), the turn's observation and its response."""
+
+    input_ids: list[int]
+    pixel_values: list[torch.Tensor]  # one [n_patches, d] per image of the window
+    image_grid_thw: list[torch.Tensor]  # one [3] per image
+
+
+@dataclass
+class Segment:
+    """One observation as the model reads it (text with image placeholders, frames resized, their pixel
+    values and grids) and the response ids that answered it (None until the turn closes). Kept per turn
+    with rollout.context=window, to build later turns' windows without re-encoding frames."""
+
+    text: str
+    images: list[Image.Image]
+    pixel_values: list[torch.Tensor]
+    image_grid_thw: list[torch.Tensor]
+    response_ids: list[int] | None = None
 
 
 @dataclass
 class Episode:
+    """One played episode. `input_ids`, `pixel_values`, `image_grid_thw` and `images` are what the decoder
+    reads for the next turn: the whole history with rollout.context=full (the episode's training sequence),
+    the current turn's window with rollout.context=window (each turn's own sequence is `Turn.context`)."""
+
     env_name: str
     seed: int
     group_id: int
@@ -78,6 +111,7 @@ class Episode:
     initial_observation: Any = None
     initial_state_key: Any = None  # the environment's `info["state_key"]` after `reset`
     error: str | None = None  # the environment raised: its exception in one line; the episode ended there
+    segments: list[Segment] = field(default_factory=list)  # rollout.context=window: every observation so far
 
     @property
     def total_reward(self) -> float:
@@ -138,15 +172,20 @@ class ChatEncoder:
                              "set env.render_mode=text or use a vision-language checkpoint")
         images = [self.resize(image) for image in images]
         pixel_values, grids = self.images_to_inputs(images)
+        return self.segment_ids(text, grids, first, system), pixel_values, grids
+
+    def segment_ids(self, text: str, grids: list[torch.Tensor], first: bool, system: str | None) -> list[int]:
+        """Token ids of a user turn whose images have grids `grids` (image placeholders expanded to each
+        image's token count), followed by the assistant header; `first` opens with the system prompt."""
         parts = text.split(IMAGE_PLACEHOLDER)
-        assert len(parts) == len(images) + 1, f"{len(parts) - 1=} placeholders, {len(images)=} images"
+        assert len(parts) == len(grids) + 1, f"{len(parts) - 1=} placeholders, {len(grids)=} images"
         content = parts[0]
         for grid, part in zip(grids, parts[1:]):
             n = int(grid.prod()) // (self.merge**2)
             content += "<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>" + part
         prefix = f"<|im_start|>system\n{system}<|im_end|>\n" if first else "\n"
         segment = f"{prefix}<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
-        return self.encode_text(segment), pixel_values, grids
+        return self.encode_text(segment)
 
     def finish_response(self, generated: list[int]) -> tuple[list[int], str]:
         """Cut generated ids at the first stop token and close the turn with <|im_end|>; return the

@@ -11,7 +11,7 @@ import time
 import envs_visual
 from vagen.decoding import Decoder, sampling_from, turn_seed
 from vagen.decoding_hf import HFDecoder
-from vagen.episode import ChatEncoder, Episode, Turn
+from vagen.episode import ChatEncoder, Episode, Segment, Turn, TurnContext
 
 
 def make_env(cfg_env, seed_env_params: dict | None = None):
@@ -28,7 +28,10 @@ def make_env(cfg_env, seed_env_params: dict | None = None):
 def make_decoder(cfg, model, encoder: ChatEncoder) -> Decoder:
     """The engine `rollout.backend` names, decoding `model`'s policy."""
     if cfg.rollout.backend == "hf":
-        return HFDecoder(model, encoder, keep_cache=cfg.rollout.reuse_cache)
+        # A window drops its oldest turn as it slides, so a cache kept across turns would no longer hold a
+        # prefix of the next prompt: with rollout.context=window each turn runs its whole window.
+        keep_cache = cfg.rollout.reuse_cache and cfg.rollout.context == "full"
+        return HFDecoder(model, encoder, keep_cache=keep_cache)
     if cfg.rollout.backend == "vllm":
         from vagen.decoding_vllm import VLLMDecoder  # vLLM is an optional dependency
 
@@ -107,16 +110,31 @@ class Ended:
 
 
 def open_turn(encoder: ChatEncoder, episodes: list[Episode], observations: list, turn: int, ro) -> list[int]:
-    """Append each running episode's observation (text and frames, resized once) to its history; returns
-    the indices of the episodes that generate this turn. An episode whose next turn would not fit in
-    `rollout.max_trajectory_length` ends before it: whole turns only, so an image is never cut and
-    what was played stays trainable."""
+    """Append each running episode's observation (text and frames, resized once) to its history, or with
+    `rollout.context=window` make its window the next prompt (`window_prompt`); returns the indices of the
+    episodes that generate this turn. An episode whose next turn would not fit in
+    `rollout.max_trajectory_length` ends before it: whole turns only, so an image is never cut and what
+    was played stays trainable."""
+    window = ro.context == "window"
     active = []
     for i, ep in enumerate(episodes):
         if ep.done:
             continue
         obs = observations[i]
         images = [encoder.resize(image) for image in obs.images] if encoder.is_vision else obs.images
+        if window:
+            _, pixel_values, grids = encoder.user_segment(obs.text, images, first=False, system=None)
+            segment = Segment(obs.text, images, pixel_values, grids)
+            prompt = window_prompt(encoder, ep.system_prompt, ep.segments + [segment], ro.window_turns)
+            if len(prompt.input_ids) + ro.max_new_tokens + 1 > ro.max_trajectory_length:
+                ep.done = True
+                ep.truncated_by_length = True
+                continue
+            ep.segments.append(segment)
+            ep.input_ids, ep.pixel_values, ep.image_grid_thw = prompt.input_ids, prompt.pixel_values, prompt.image_grid_thw
+            ep.images = [image for seg in ep.segments[-ro.window_turns - 1:] for image in seg.images]
+            active.append(i)
+            continue
         ids, pixel_values, grids = encoder.user_segment(obs.text, images, first=turn == 0, system=ep.system_prompt)
         if len(ep.input_ids) + len(ids) + ro.max_new_tokens + 1 > ro.max_trajectory_length:
             ep.done = True
@@ -128,6 +146,21 @@ def open_turn(encoder: ChatEncoder, episodes: list[Episode], observations: list,
         ep.images += images
         active.append(i)
     return active
+
+
+def window_prompt(encoder: ChatEncoder, system: str, segments: list[Segment], window_turns: int) -> TurnContext:
+    """The prompt of the turn that answers `segments[-1]` with `rollout.context=window`: the system prompt,
+    the last `window_turns` earlier turns (each observation with its frames, then the response as sampled)
+    and the new observation, as one chat. The oldest turn kept opens the chat, after the system prompt."""
+    kept = segments[max(0, len(segments) - 1 - window_turns):]
+    ids, pixel_values, grids = [], [], []
+    for k, segment in enumerate(kept):
+        ids += encoder.segment_ids(segment.text, segment.image_grid_thw, first=k == 0, system=system)
+        if k < len(kept) - 1:
+            ids += segment.response_ids
+        pixel_values += segment.pixel_values
+        grids += segment.image_grid_thw
+    return TurnContext(ids, pixel_values, grids)
 
 
 def close_turn(encoder: ChatEncoder, ep: Episode, env, observations: list, i: int, new, step_timeout, on_step) -> int:
@@ -150,8 +183,12 @@ def close_turn(encoder: ChatEncoder, ep: Episode, env, observations: list, i: in
         on_step(i, env, info)
     end_sampled = encoder.sampled_end(new.ids)
     logprobs = None if new.logprobs is None else list(new.logprobs[: len(ids) - (not end_sampled)])
+    context = None
+    if ep.segments:  # rollout.context=window: the turn's own sequence is its window and its response
+        ep.segments[-1].response_ids = ids
+        context = TurnContext(list(ep.input_ids), list(ep.pixel_values), list(ep.image_grid_thw))
     ep.turns.append(Turn(obs.text, obs.images, text, reward, info, (start, len(ep.input_ids)), len(ids),
-                         end_sampled=end_sampled, sampled_logprobs=logprobs, state_key=state_key))
+                         end_sampled=end_sampled, sampled_logprobs=logprobs, state_key=state_key, context=context))
     ep.success = bool(info.get("success", False))
     observations[i] = next_obs
     if terminated or truncated:

@@ -234,14 +234,15 @@ def play(cfg, it: int, dist, models: Models, decoder, envs: list, rewarder):
 
 def kept_samples(cfg, dist, models: Models, played: list):
     """StarPO-S over all ranks (`vagen.update.plan_groups`), then the kept groups' episodes as training
-    samples, shared out so that ranks hold equal numbers of groups. Only kept episodes are converted."""
-    from vagen.trajectory import episode_to_sample
+    samples (one per trajectory, or per turn with rollout.context=window), shared out so that ranks hold equal
+    numbers of groups. Only kept episodes are converted."""
+    from vagen.trajectory import episode_samples
     from vagen.update import plan_groups, share_groups
 
     plan = plan_groups([ep.total_reward for ep in played], [ep.group_id for ep in played], cfg, dist.rank,
                        dist.world_size)
-    samples = [episode_to_sample(ep, models.encoder, models.actor.module) for ep in played
-               if plan.keeps(dist.rank, ep.group_id)]
+    samples = [sample for index, ep in enumerate(played) if plan.keeps(dist.rank, ep.group_id)
+               for sample in episode_samples(ep, models.encoder, models.actor.module, index)]
     samples = share_groups(samples, plan, dist.rank, dist.world_size)
     stats = {f"rollout/filter_{k}": v for k, v in plan.stats.items()}
     stats["update/tokens"] = float(sum(s.length for s in samples))  # trajectory tokens this rank trains on

@@ -1,4 +1,5 @@
-"""From episodes to training tensors: one token sequence per trajectory with its masks.
+"""From episodes to training tensors: one token sequence per trajectory with its masks, or with
+`rollout.context=window` one per turn (the turn's window, its observation and its response: `Turn.context`).
 
 Per trajectory, aligned with `input_ids` (length L):
 - `loss_mask`     1 on generated tokens (each turn's closing `<|im_end|>` included): the positions
@@ -45,6 +46,10 @@ class Sample:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # old_logprobs, values, advantages, ...
     sampled_mask: torch.Tensor | None = None  # None: every generated token was sampled (= loss_mask)
     state_keys: list | None = None  # per turn, the environment's key of the state it started from (Turn.state_key)
+    # rollout.context=window: the episode's index among the rank's played episodes and the turn's index in it;
+    # with the group id they gather an episode's turn samples back into its trajectory (`vagen.update`)
+    episode_index: int | None = None
+    turn_index: int | None = None
 
     def __post_init__(self):
         if self.sampled_mask is None:
@@ -79,28 +84,46 @@ def span_token_mask(offsets: list[int], span: tuple[int, int] | None) -> list[in
     return mask
 
 
+def episode_samples(episode: Episode, encoder: ChatEncoder, model=None, index: int = 0) -> list[Sample]:
+    """The training samples of an episode: its whole sequence (`rollout.context=full`), or one per turn, each
+    the turn's own sequence (`rollout.context=window`), tagged with `index` (the episode's) and the turn's."""
+    if not any(turn.context is not None for turn in episode.turns):
+        return [episode_to_sample(episode, encoder, model)]
+    return [_sample(episode, [turn], turn.context.input_ids, turn.context.pixel_values, turn.context.image_grid_thw,
+                    encoder, model, episode_index=index, turn_index=k) for k, turn in enumerate(episode.turns)]
+
+
 def episode_to_sample(episode: Episode, encoder: ChatEncoder, model=None) -> Sample:
-    ids = torch.tensor(episode.input_ids, dtype=torch.long)
+    """The whole episode as one training sequence (`rollout.context=full`)."""
+    return _sample(episode, episode.turns, episode.input_ids, episode.pixel_values, episode.image_grid_thw, encoder,
+                   model)
+
+
+def _sample(episode: Episode, turns: list, input_ids: list[int], pixel_values: list, image_grid_thw: list,
+            encoder: ChatEncoder, model=None, **where) -> Sample:
+    """A sample of the sequence `input_ids` (with its images), trained on the responses of `turns` (whose spans
+    are in it); group, seed and score are the episode's."""
+    ids = torch.tensor(input_ids, dtype=torch.long)
     L = ids.shape[0]
     masks = {name: torch.zeros(L) for name in TOKEN_FIELDS}
-    for turn in episode.turns:
+    for turn in turns:
         start, end = turn.span
         masks["loss_mask"][start:end] = 1
         masks["sampled_mask"][start : end if turn.end_sampled else end - 1] = 1
         masks["turn_end_mask"][end - 1] = 1
         masks["token_rewards"][end - 1] = turn.reward
-        generated = episode.input_ids[start : end - 1]  # without the closing <|im_end|>
+        generated = input_ids[start : end - 1]  # without the closing <|im_end|>
         text = encoder.tokenizer.decode(generated, skip_special_tokens=True)
         offsets = char_offsets(encoder.tokenizer, generated)
         for name, tag in (("answer_mask", "answer"), ("think_mask", "think")):
             masks[name][start : end - 1] = torch.tensor(span_token_mask(offsets, tag_span(text, tag)), dtype=torch.float)
-    grids = torch.stack(episode.image_grid_thw) if episode.image_grid_thw else None
-    pixel_values = torch.cat(episode.pixel_values) if episode.pixel_values else None
+    grids = torch.stack(image_grid_thw) if image_grid_thw else None
+    pixels = torch.cat(pixel_values) if pixel_values else None
     extra = {}
-    if episode.turns and all(t.sampled_logprobs is not None for t in episode.turns):
+    if turns and all(t.sampled_logprobs is not None for t in turns):
         # the decoding engine's log-probabilities of the sampled tokens, where it reported them (vLLM)
         rollout_logprobs = torch.zeros(L)
-        for turn in episode.turns:
+        for turn in turns:
             start = turn.span[0]
             rollout_logprobs[start : start + len(turn.sampled_logprobs)] = torch.tensor(turn.sampled_logprobs)
         extra["rollout_logprobs"] = rollout_logprobs
@@ -108,9 +131,9 @@ def episode_to_sample(episode: Episode, encoder: ChatEncoder, model=None) -> Sam
         position_ids = rope_positions(model, ids, grids, encoder.image_pad_id)
     else:
         position_ids = torch.arange(L)
-    return Sample(ids, position_ids, pixel_values=pixel_values, image_grid_thw=grids, group_id=episode.group_id,
+    return Sample(ids, position_ids, pixel_values=pixels, image_grid_thw=grids, group_id=episode.group_id,
                   score=episode.total_reward, seed=episode.seed, extra=extra,
-                  state_keys=[turn.state_key for turn in episode.turns], **masks)
+                  state_keys=[turn.state_key for turn in turns], **where, **masks)
 
 
 def collate(samples: list[Sample], pad_id: int, fields: tuple[str, ...] = (),

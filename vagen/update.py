@@ -216,26 +216,101 @@ def filter_groups(samples: list[Sample], cfg, rank: int = 0, world_size: int = 1
     return share_groups(samples, plan, rank, world_size), plan.stats
 
 
+def trajectory_rows(samples: list[Sample]) -> list[list[int]]:
+    """The indices of each trajectory's samples, in turn order: one sample per trajectory with
+    rollout.context=full, its turn samples (same group and episode index) with rollout.context=window."""
+    if all(s.turn_index is None for s in samples):
+        return [[i] for i in range(len(samples))]
+    rows: dict[tuple[int, int | None], list[int]] = {}
+    for i, s in enumerate(samples):
+        rows.setdefault((s.group_id, s.episode_index), []).append(i)
+    return [sorted(row, key=lambda i: samples[i].turn_index) for row in rows.values()]
+
+
+@dataclass
+class Trajectory:
+    """What the estimators read of a trajectory besides its tokens (a sample is one, with rollout.context=full)."""
+
+    group_id: int
+    score: float
+    seed: int
+    state_keys: list | None
+
+
+class TrajectoryLayout:
+    """Maps a batch of samples [S, L] to one row per trajectory [T, N] holding the generated tokens of its
+    samples in order, and back. With rollout.context=window a trajectory's turns are separate samples; laid
+    out as one row they are exactly the generated tokens of the trajectory's single sequence in full mode,
+    so every estimator (per-trajectory GRPO and GiGPO, turn-level and token-level GAE over the trajectory's
+    tokens, per-trajectory entropy selection) computes the same thing in both modes. With one sample per
+    trajectory the layout is the identity."""
+
+    def __init__(self, samples: list[Sample], loss_mask: torch.Tensor):
+        self.rows = trajectory_rows(samples)
+        self.identity = all(len(row) == 1 for row in self.rows) and all(s.turn_index is None for s in samples)
+        self.trajectories = [Trajectory(samples[row[0]].group_id, samples[row[0]].score, samples[row[0]].seed,
+                                        [key for i in row for key in (samples[i].state_keys or [])]) for row in self.rows]
+        if self.identity:
+            return
+        src_rows, src_cols, dst_rows, dst_cols = [], [], [], []
+        for t, row in enumerate(self.rows):
+            offset = 0
+            for i in row:
+                cols = (loss_mask[i] != 0).nonzero(as_tuple=True)[0]
+                src_rows.append(torch.full_like(cols, i))
+                src_cols.append(cols)
+                dst_rows.append(torch.full_like(cols, t))
+                dst_cols.append(torch.arange(offset, offset + cols.numel()))
+                offset += cols.numel()
+        self.src = (torch.cat(src_rows), torch.cat(src_cols))
+        self.dst = (torch.cat(dst_rows), torch.cat(dst_cols))
+        self.shape = (len(self.rows), int(self.dst[1].max()) + 1 if self.dst[1].numel() else 0)
+        self.sample_shape = tuple(loss_mask.shape)
+
+    def gather(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The per-token [S, L] entries of `batch` as [T, N] trajectory rows (0 past a row's tokens)."""
+        if self.identity:
+            return batch
+        out = {}
+        for name, value in batch.items():
+            if value.dim() == 2 and tuple(value.shape) == self.sample_shape:
+                rows = torch.zeros(self.shape, dtype=value.dtype)
+                rows[self.dst] = value[self.src]
+                out[name] = rows
+        return out
+
+    def scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        """[T, N] trajectory rows back to the samples' [S, L] (0 at tokens that are not generated)."""
+        if self.identity:
+            return rows
+        out = torch.zeros(self.sample_shape, dtype=rows.dtype)
+        out[self.src] = rows[self.dst]
+        return out
+
+
 def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
-    """Advantages, returns and the adv_mask of every sample, from its rewards and old values."""
+    """Advantages, returns and the adv_mask of every sample, from its rewards and old values; estimated over
+    whole trajectories (`TrajectoryLayout`) whether a sample is one or one of its turns."""
     algo = cfg.algo
     fields = ["old_logprobs", "entropies"] + (["old_values"] if "old_values" in samples[0].extra else [])
     fields += ["ref_logprobs"] if "ref_logprobs" in samples[0].extra else []
     fields += ["rollout_logprobs"] if "rollout_logprobs" in samples[0].extra else []
-    batch = collate(samples, pad_id=0, fields=tuple(fields), with_images=False)
+    sample_batch = collate(samples, pad_id=0, fields=tuple(fields), with_images=False)
+    metrics = {}
+    if "rollout_logprobs" in sample_batch:
+        metrics.update(rollout_correction(samples, sample_batch, algo))
+    layout = TrajectoryLayout(samples, sample_batch["loss_mask"])
+    batch, trajectories = layout.gather(sample_batch), layout.trajectories
     loss_mask, sampled_mask = batch["loss_mask"], batch["sampled_mask"]
     rewards = batch["token_rewards"]
-    metrics = {}
-    if "rollout_logprobs" in batch:
-        metrics.update(rollout_correction(samples, batch, algo))
     if "ref_logprobs" in batch:
         kl = core.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], algo.kl_kind) * sampled_mask
         metrics["actor/kl_to_ref"] = float(kl.sum() / sampled_mask.sum().clamp(min=1))
         if algo.kl_in_reward:
             rewards = rewards - algo.kl_coef * kl
     if algo.adv_estimator == "grpo":
-        scores = torch.tensor([s.score for s in samples])
-        group_ids = torch.tensor([s.group_id for s in samples])
+        scores = torch.tensor([t.score for t in trajectories])
+        group_ids = torch.tensor([t.group_id for t in trajectories])
         per_traj = core.grpo_advantages(scores, group_ids, norm_by_std=algo.grpo_norm_by_std)
         advantages = per_traj[:, None] * loss_mask
         returns = advantages
@@ -245,7 +320,7 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
         advantages, returns = core.turn_level_gae(rewards, batch["old_values"], loss_mask, batch["turn_end_mask"],
                                                   algo.gamma_turn, algo.lam_turn, algo.gamma, algo.lam)
     elif algo.adv_estimator == "gigpo":
-        advantages, step_metrics = gigpo_token_advantages(samples, batch, algo)
+        advantages, step_metrics = gigpo_token_advantages(trajectories, batch, algo)
         returns = advantages
         metrics.update({f"rollout/{name}": value for name, value in step_metrics.items()})
     else:
@@ -257,21 +332,22 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
     # turn's value and reward sit there) but is out of adv_mask.
     adv_mask = core.select_critical_tokens(sampled_mask, batch["answer_mask"], batch["think_mask"],
                                            batch["entropies"], algo.token_selection, algo.top_ratio)
+    selected = adv_mask.sum()
+    metrics["actor/selected_token_ratio"] = float(selected / sampled_mask.sum().clamp(min=1))
+    metrics["actor/advantage_mean"] = float((advantages * loss_mask).sum() / loss_mask.sum().clamp(min=1))
+    advantages, returns, adv_mask = (layout.scatter(x) for x in (advantages, returns, adv_mask))
     for row, sample in enumerate(samples):
         n = sample.length
         sample.extra["advantages"] = advantages[row, :n]
         sample.extra["returns"] = returns[row, :n]
         sample.extra["adv_mask"] = adv_mask[row, :n]
-    selected = adv_mask.sum()
-    metrics["actor/selected_token_ratio"] = float(selected / sampled_mask.sum().clamp(min=1))
-    metrics["actor/advantage_mean"] = float((advantages * loss_mask).sum() / loss_mask.sum().clamp(min=1))
     return metrics
 
 
-def gigpo_token_advantages(samples: list[Sample], batch: dict[str, torch.Tensor], algo):
-    """`core.gigpo_advantages` over the turns of the batch (each turn's reward sits at its turn end; its
-    anchor state is the sample's `state_keys` entry), each turn's advantage placed on every generated token
-    of that turn. Returns ([B, L] advantages, the step-group metrics)."""
+def gigpo_token_advantages(samples: list[Trajectory], batch: dict[str, torch.Tensor], algo):
+    """`core.gigpo_advantages` over the turns of the batch's trajectories (each turn's reward sits at its turn
+    end; its anchor state is the trajectory's `state_keys` entry), each turn's advantage placed on every
+    generated token of that turn. Returns ([B, L] advantages, the step-group metrics)."""
     row, col, k, counts, n_turns = core.compact_index(batch["turn_end_mask"] != 0)  # turn k of row ends at col
     shape = (len(samples), n_turns)
     turn_rewards = torch.zeros(shape, dtype=torch.float64)
@@ -348,12 +424,14 @@ class MiniBatch:
 
 def plan_epoch(samples: list[Sample], cfg, world_size: int, generator: torch.Generator | None,
                shuffle: bool) -> list[MiniBatch]:
-    """One PPO epoch on this rank: its shuffled samples cut into mini-batches of `train.mini_batch_size /
-    ranks` and those into micro-batches, padded to the count of the busiest rank (mini-batches and
-    micro-batches alike), with each mini-batch's denominators summed over ranks."""
+    """One PPO epoch on this rank: its shuffled trajectories cut into mini-batches of `train.mini_batch_size /
+    ranks` (with rollout.context=window, each with all its turn samples) and those into micro-batches of
+    samples, padded to the count of the busiest rank (mini-batches and micro-batches alike), with each
+    mini-batch's denominators summed over ranks."""
     tr = cfg.train
-    order = torch.randperm(len(samples), generator=generator).tolist() if shuffle else list(range(len(samples)))
-    minis = chunks(order, max(1, tr.mini_batch_size // world_size))
+    rows = trajectory_rows(samples)  # a mini-batch takes whole trajectories (all turn samples of one)
+    order = torch.randperm(len(rows), generator=generator).tolist() if shuffle else list(range(len(rows)))
+    minis = [[i for t in part for i in rows[t]] for part in chunks(order, max(1, tr.mini_batch_size // world_size))]
     n_minis = int(all_reduce(torch.tensor([len(minis)], dtype=torch.float64), "max")[0])
     minis += [[] for _ in range(n_minis - len(minis))]
     plans = [chunks(m, tr.micro_batch_size) for m in minis]
