@@ -255,8 +255,9 @@ FAST = ["train.iterations=1", "rollout.env_groups=2", "rollout.group_size=2", "r
         "rollout.max_turns=3", "train.mini_batch_size=4", "train.micro_batch_size=2", "log.progress=false"]
 
 
-@pytest.mark.parametrize("overrides", [["rollout.context=window"], ["rollout.context=window", "algo.adv_estimator=gigpo"]],
-                         ids=["window", "window+gigpo"])
+@pytest.mark.parametrize("overrides", [["rollout.context=window", "algo.filter_mode=std", "algo.filter_keep_ratio=0.5"],
+                                       ["rollout.context=window", "algo.adv_estimator=gigpo"]],
+                         ids=["window+filter", "window+gigpo"])
 def test_sokoban_visual_trains_one_iteration(tmp_path, model_cache, distributed, overrides):
     from vagen.train import main
 
@@ -268,3 +269,5 @@ def test_sokoban_visual_trains_one_iteration(tmp_path, model_cache, distributed,
     for key in ("actor/pg_loss", "actor/grad_norm", "update/tokens"):
         assert math.isfinite(record[key]), key
     assert record["rollout/turns"] >= 1
+    if "algo.filter_mode=std" in overrides:  # one of the two level groups is kept, with all its turn samples
+        assert record["rollout/filter_kept_groups"] == 1, record
