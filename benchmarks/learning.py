@@ -1,7 +1,8 @@
 """Does RL make a warm-started agent better than what it imitated?
 
 From the SFT warm start on the teacher's demonstrations, trains TRICO (turn_gae + entropy token
-selection), PPO (gae, all tokens) and GRPO for `--minutes` CPU-minutes each (per training seed),
+selection), PPO (gae, all tokens) and GRPO (and, when named in `--methods`, GiGPO on the whole history
+and on per-turn samples with a 2-turn window) for `--minutes` CPU-minutes each (per training seed),
 and a control that spends the same CPU time on more SFT on the teacher's data. Every method is
 evaluated on the same distinct held-out levels (greedy and sampled, 95% Wilson intervals) next to
 the teacher, the solver, a random policy and the best blind plan (`vagen.warmstart.demos.blind_success`).
@@ -34,6 +35,10 @@ METHODS = {
     "TRICO": ["algo.adv_estimator=turn_gae", "algo.token_selection=entropy"],
     "PPO": ["algo.adv_estimator=gae", "algo.token_selection=all"],
     "GRPO": ["algo.adv_estimator=grpo", "algo.token_selection=all"],
+    # step-level credit without a critic, on the whole history and on per-turn samples with a 2-turn window
+    "GiGPO": ["algo.adv_estimator=gigpo", "algo.token_selection=all"],
+    "GiGPO-window": ["algo.adv_estimator=gigpo", "algo.token_selection=all", "rollout.context=window",
+                     "rollout.window_turns=2"],
 }
 # Every RL run: 8 levels x 8 rollouts per iteration (16 episodes per iteration gave updates too noisy
 # to help), on-policy sampling (temperature 1, no nucleus), two optimizer steps per iteration.
@@ -50,7 +55,7 @@ SMOKE = ["sft.cell_questions=0", "sft.demos=24", "sft.val_demos=4", "sft.exclude
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", nargs="+", default=list(ENVS), choices=list(ENVS))
-    parser.add_argument("--methods", nargs="+", default=list(METHODS) + ["more-SFT"],
+    parser.add_argument("--methods", nargs="+", default=["TRICO", "PPO", "GRPO", "more-SFT"],
                         choices=list(METHODS) + ["more-SFT"])
     parser.add_argument("--minutes", type=float, default=30.0, help="CPU-minutes of training per method and seed")
     parser.add_argument("--seeds", type=int, default=3, help="training seeds per method")
