@@ -76,21 +76,26 @@ def training_drop(rows: list[dict], window: int, drop: float) -> tuple[int | Non
 
 EVAL_LINE = re.compile(r"^\s*(\S+) seed (\d+) it (\d+) cpu ([\d.]+) min\s+greedy ([\d.]+)")
 WARM_LINE = re.compile(r"warm start greedy ([\d.]+)")
+LEVELS_LINE = re.compile(r"(\d+) distinct held-out levels")
 
 
 def results_from_log(log: Path) -> dict:
     """results.json's shape ({env: {"warm_start", "methods"}}) from a learning.py log: one env."""
-    methods, warm = {}, None
+    methods, warm, n = {}, None, None
     for line in log.read_text().splitlines():
-        if (m := WARM_LINE.search(line)) and warm is None:
+        if (m := LEVELS_LINE.search(line)) and n is None:
+            n = int(m.group(1))
+        elif (m := WARM_LINE.search(line)) and warm is None:
             warm = float(m.group(1))
         elif m := EVAL_LINE.match(line):
             method, seed, iteration, cpu, greedy = m.groups()
             methods.setdefault(method, {}).setdefault(seed, []).append(
-                {"iteration": int(iteration), "cpu_minutes": float(cpu), "greedy": {"success": float(greedy)}})
-    if warm is None:
-        raise SystemExit(f"{log}: no 'warm start greedy' line; pass the log learning.py printed")
-    return {"log": {"warm_start": {"greedy": {"success": warm}}, "methods": methods}}
+                {"iteration": int(iteration), "cpu_minutes": float(cpu),
+                 "greedy": {"success": float(greedy), "successes": round(float(greedy) * n), "n": n}})
+    if warm is None or n is None:
+        raise SystemExit(f"{log}: no 'warm start greedy' or 'distinct held-out levels' line; pass learning.py's log")
+    return {"log": {"warm_start": {"greedy": {"success": warm, "successes": round(warm * n), "n": n}},
+                    "methods": methods}}
 
 
 def load_runs(out: Path, env: str, log: Path | None = None):
@@ -166,6 +171,18 @@ def main(argv=None) -> int:
         print("| " + " | ".join(kinds) + " |")
         print("| " + " | ".join("---" for _ in kinds) + " |")
         print("| " + " | ".join(f"{100 * quiet[k] / quiet_iterations:.1f}" for k in kinds) + " |")
+    if collapsed_runs:
+        from vagen.eval import wilson_interval
+
+        print("\nHeld-out greedy success of the runs that collapsed (95% Wilson intervals):\n")
+        for name, _, curve, warm in collapsed_runs:
+            n = curve[0]["greedy"]["n"]
+            low, high = wilson_interval(round(warm * n), n)
+            points = [f"warm start {warm:.3f} ({low:.3f}–{high:.3f})"]
+            for p in curve:
+                low, high = wilson_interval(p["greedy"]["successes"], p["greedy"]["n"])
+                points.append(f"{p['iteration']}: {p['greedy']['success']:.3f} ({low:.3f}–{high:.3f})")
+            print(f"- {name}: " + ", ".join(points))
     if args.plot and collapsed_runs:
         plot(collapsed_runs, args.plot)
     return 0
