@@ -6,7 +6,8 @@ start on that arm's settings, each training seed's last evaluation (greedy and s
 intervals), the mean over seeds, and the pooled interval over all seeds' episodes (the same levels
 once per seed, so narrower than over as many distinct levels). A second table gives training-rollout
 means over each run's first and last three iterations (from metrics.jsonl). Writes one plot of every
-seed's greedy curve against CPU-minutes.
+seed's greedy curve against CPU-minutes. A folder without results.json (a run stopped early) gives
+only its training-rollout rows.
 
     python benchmarks/arms.py runs/div_4x16 runs/div_16x4 runs/div_64x1 \\
         --keys rollout.env_groups rollout.group_size --plot docs/results/figures/diversity.png
@@ -22,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ROLLOUT_KEYS = [("rollout/success", "success", 2), ("rollout/actions", "actions / episode", 2),
+ROLLOUT_KEYS = [("rollout/success", "success", 2), ("rollout/format_ok", "format ok", 2), ("rollout/actions", "actions / episode", 2),
                 ("rollout/turns", "turns", 2), ("rollout/response_length", "tokens / turn", 0),
                 ("rollout/in_group_reward_std", "in-group reward std", 3), ("rollout/echo_rate", "echo rate", 2),
                 ("rollout/distinct_2", "distinct-2", 3), ("actor/entropy_mean", "entropy", 3)]
@@ -69,6 +70,12 @@ def main(argv=None) -> int:
     curves, rollout_rows = {}, []
     for run_dir in args.runs:
         arm = arm_name(run_dir, args.keys)
+        if not (run_dir / "results.json").exists():  # a stopped run: its training rollouts only
+            for metrics in sorted((run_dir / "runs").glob("*/metrics.jsonl")):
+                rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+                if len(rows) >= 6:
+                    rollout_rows.append((arm, metrics.parent.name.rsplit("seed", 1)[-1], len(rows), rows[:3], rows[-3:]))
+            continue
         result = json.loads((run_dir / "results.json").read_text())[args.env]
         base = result["baselines"]
         print(f"| {arm} | teacher / solver / best blind plan | – | {base['teacher']['success']:.3f} / "
