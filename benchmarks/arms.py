@@ -5,7 +5,7 @@ Each positional argument is a `--out` folder of learning.py; its arm is named by
 start on that arm's settings, each training seed's last evaluation (greedy and sampled, 95% Wilson
 intervals), the mean over seeds, and the pooled interval over all seeds' episodes (the same levels
 once per seed, so narrower than over as many distinct levels). A second table gives training-rollout
-means over each run's first and last three iterations (from metrics.jsonl). Writes one plot of every
+means over each run's first and last three iterations that sampled rollouts (from metrics.jsonl). Writes one plot of every
 seed's greedy curve against CPU-minutes. A folder without results.json (a run stopped early) gives
 only its training-rollout rows.
 
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
             for metrics in sorted((run_dir / "runs").glob("*/metrics.jsonl")):
                 rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
                 if len(rows) >= 6:
-                    rollout_rows.append((arm, metrics.parent.name.rsplit("seed", 1)[-1], len(rows), rows[:3], rows[-3:]))
+                    rollout_rows.append((arm, metrics.parent.name.rsplit("seed", 1)[-1], rows))
             continue
         result = json.loads((run_dir / "results.json").read_text())[args.env]
         base = result["baselines"]
@@ -97,21 +97,22 @@ def main(argv=None) -> int:
                                               [(p["cpu_minutes"], p["greedy"]["success"]) for p in curve])
             rows = metrics_of(run_dir, args.env_config, args.method, seed)
             if len(rows) >= 6:
-                rollout_rows.append((arm, seed, len(rows), rows[:3], rows[-3:]))
+                rollout_rows.append((arm, seed, rows))
         if finals:
             print(f"| {arm} | mean of {len(finals)} seeds (range) | | {sum(finals) / len(finals):.3f} "
                   f"({min(finals):.3f}–{max(finals):.3f}) | |")
             print(f"| {arm} | pooled over seeds | | {cell(*pooled['greedy'])} | {cell(*pooled['sampled'])} |")
 
     if rollout_rows:
-        print("\nTraining rollouts, mean of the first three → last three iterations:\n")
+        print("\nTraining rollouts, mean of the first three → last three iterations that sampled one:\n")
         print("| arm | seed | iterations | " + " | ".join(label for _, label, _ in ROLLOUT_KEYS) + " |")
         print("| --- | --- | --- | " + " | ".join("---" for _ in ROLLOUT_KEYS) + " |")
-        for arm, seed, n, first, last in rollout_rows:
+        for arm, seed, rows in rollout_rows:
+            n = len(rows)
             cells = []
             for key, _, digits in ROLLOUT_KEYS:
-                a = [r[key] for r in first if key in r]
-                b = [r[key] for r in last if key in r]
+                values = [r[key] for r in rows if key in r]  # a reused batch's iterations log no rollout
+                a, b = values[:3], values[-3:]
                 cells.append(f"{sum(a) / len(a):.{digits}f} → {sum(b) / len(b):.{digits}f}" if a and b else "–")
             print(f"| {arm} | {seed} | {n} | " + " | ".join(cells) + " |")
 
