@@ -52,7 +52,10 @@ while distinct reachable poses are at least a step (or a turn) apart, far more t
 target's footprint, which ends the episode; plus the shared format reward for a well-formed
 response. After `max_steps` (default 30) executed actions the episode is truncated.
 `solve()` returns a shortest action list to the target (breadth-first search on the grid of
-positions `step_length` apart, moving only along the room's axes).
+positions `step_length` apart, moving only along the room's axes). `teacher_action(state, rng)` is
+a cheap imperfect policy for demonstrations: it follows the fewest axis moves to the target but only
+ever steps ahead, turning first to face the next cell, and one time in `TEACHER_SLIP` moves or turns
+at random.
 """
 
 from __future__ import annotations
@@ -334,6 +337,43 @@ def generate_level(seed: int, num_objects: int = 6, max_rooms: int = 2, step_len
         f"no solvable level for seed {seed} with num_objects={num_objects}, max_steps={max_steps}, "
         f"success_distance={success_distance} after 500 tries; use fewer objects or more steps"
     )
+
+
+# -- teacher -------------------------------------------------------------------------------------
+TEACHER_SLIP = 0.15  # share of the teacher's actions drawn at random (a move or a turn)
+
+
+def level_from_state(state: dict[str, Any]) -> Level:
+    """The `Level` of a `NavigationEnv.state()` (the inverse of its level fields)."""
+    objects = tuple(NavObject(o["kind"], o["colour"], o["x"], o["y"], o["yaw"], tuple(o["footprint"]))
+                    for o in state["objects"])
+    return Level(state["seed"], state["room"]["width"], state["room"]["depth"], tuple(map(tuple, state["walls"])),
+                 tuple(map(tuple, state["doors"])), objects, state["target"], tuple(state["start"]))
+
+
+def teacher_action(state: dict[str, Any], rng: np.random.Generator | None = None, step_length: float = 0.5,
+                   success_distance: float = 1.0) -> str:
+    """A deliberately imperfect teacher (for demonstrations): the step toward the target that `solve`
+    counts fewest axis moves from, but only ever `moveahead`, turning first to face that cell (where
+    the shortest plan would step sideways or back), and one time in `TEACHER_SLIP` (with `rng`) a
+    random move or turn. `step_length` and `success_distance` are the env's (defaults here)."""
+    moves = [*MOVES, *ROTATIONS]
+    if rng is not None and rng.random() < TEACHER_SLIP:
+        return moves[int(rng.integers(len(moves)))]
+    level, agent = level_from_state(state), state["agent"]
+    lattice = build_lattice(level, (agent["x"], agent["y"]), step_length)
+    dist = grid_distances(lattice, _goal_cells(level, lattice, success_distance))
+    cell = lattice.index(agent["x"], agent["y"])
+    if cell is None or dist[cell] <= 0:
+        return "rotateleft"
+    i, j = cell
+    closer = {(di, dj) for (di, dj), ok in lattice.moves.items()
+              if ok[i, j] and dist[i + di, j + dj] == dist[i, j] - 1}
+    for action, turn in (("moveahead", 0.0), ("rotateleft", 90.0), ("rotateright", -90.0), ("rotateleft", 180.0)):
+        angle = math.radians(agent["yaw"] + turn)
+        if (round(math.cos(angle)), round(math.sin(angle))) in closer:
+            return action
+    return "rotateleft"  # facing off the axes: turn until a step ahead leads closer
 
 
 # -- environment ---------------------------------------------------------------------------------
