@@ -470,16 +470,6 @@ def teacher_action(state: dict, rng: np.random.Generator) -> str:
     return format_action(name, *noisy)
 
 
-def random_action(rng: np.random.Generator) -> str:
-    """A random valid primitive (the baseline of random play): pick, place or push at points drawn
-    uniformly over the workspace's x and y, at the height of a resting cube's centre."""
-    name = list(ARITY)[int(rng.integers(len(ARITY)))]
-    values = []
-    for _ in range(ARITY[name] // 3):
-        values += [float(rng.uniform(-REACH_XY, REACH_XY)), float(rng.uniform(-REACH_XY, REACH_XY)), CUBE / 2]
-    return format_action(name, *values)
-
-
 # -- environment ---------------------------------------------------------------------------------
 class ManipulationEnv(TextActionEnv):
     """Tabletop manipulation with primitive skills on MuJoCo. See the module docstring."""

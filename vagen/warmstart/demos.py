@@ -292,9 +292,8 @@ def _plan(env, policy: str, rng: np.random.Generator,
         count = int(rng.integers(1, env.max_actions_per_turn + 1))
         if env.action_names:
             wanted = [env.action_names[int(i)] for i in rng.integers(len(env.action_names), size=count)]
-        else:  # actions with numbers (manipulation): the env's module draws them
-            draw = importlib.import_module(type(env).__module__).random_action
-            wanted = [draw(rng) for _ in range(count)]
+        else:  # actions with numbers (manipulation): the env draws them
+            wanted = env.random_actions(rng, count)
     else:
         teach = importlib.import_module(type(env).__module__).teacher_action
         teacher = teach if style is None else functools.partial(teach, style=style)
