@@ -297,10 +297,10 @@ def test_the_random_built_in_is_accepted_with_lora_when_its_tower_trains():
 @pytest.mark.parametrize("persistence", [0, 10**6], ids=["released", "persistent"])
 def test_a_frozen_lm_head_under_zero3_gives_the_log_probabilities_and_gradients_of_a_whole_one(distributed,
                                                                                                persistence):
-    """The log-probabilities' chunks are checkpointed, and backward recomputes each; under ZeRO-3 a frozen head
-    (LoRA's) that is released after each call, or kept whole (`stage3_param_persistence_threshold`), gives
-    what the head gives unpartitioned: the same log-probabilities, entropies and gradients of the hidden
-    states, forward and backward."""
+    """The log-probabilities' chunks are checkpointed, and backward recomputes each. Under ZeRO-3 a frozen head
+    (LoRA's), released after each call or one to be kept whole (`stage3_param_persistence_threshold`, which
+    ZeRO-3 still releases until its trace of the model's calls is complete), gives what the head gives
+    unpartitioned: the same log-probabilities, entropies and gradients of the hidden states."""
     import copy
 
     import deepspeed
