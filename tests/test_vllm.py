@@ -32,6 +32,9 @@ from vagen.update import token_logprobs
 pytestmark = pytest.mark.vllm
 
 TOLERANCE = 1e-4  # float32 on both sides: measured differences are ~1e-5
+# The mean KL to the base that one LoRA update at train.actor_lr=0.003 reaches on sokoban_text (measured 2.6e-3):
+# log-probabilities that differ from the base's by far more than TOLERANCE.
+KL_AFTER_LORA_UPDATE = 1e-3
 
 
 def require_vllm() -> None:
@@ -327,6 +330,93 @@ def test_weight_sync_from_zero3_gathers_a_group_at_a_time(vl, monkeypatch):
     assert sum(gathered) == len(params) and len(gathered) > 1 and max(gathered) < len(params), gathered
 
 
+def _lora_trained(model, encoder: ChatEncoder, model_path, *overrides: str):
+    """A copy of `model` with LoRA adapters (r = 8) after three AdamW steps on the adapters alone that raise
+    the log-probabilities of responses the copy sampled, and the names of its trained parameters."""
+    from vagen.models import add_adapters
+
+    lora = load_config(None, [f"model.path={model_path}", "model.lora_rank=8", *overrides])
+    adapted = add_adapters(copy.deepcopy(model), lora.model)
+    cfg = config("rollout.max_turns=2", "env.render_mode=vision" if encoder.is_vision else "env.render_mode=text")
+    played, _ = rollout(adapted, encoder, cfg, seeds=[1, 2], group_size=2, sample_seed=4)
+    batch = collate([episode_to_sample(ep, encoder, adapted) for ep in played], encoder.pad_id)
+    trained = [name for name, param in adapted.named_parameters() if param.requires_grad]
+    optimizer = torch.optim.AdamW([adapted.get_parameter(name) for name in trained], lr=1e-2)
+    adapted.train()
+    for _ in range(3):
+        logprobs, _ = token_logprobs(adapted, batch, 1.0, with_entropy=False, suppress_ids=encoder.suppress_ids)
+        optimizer.zero_grad()
+        (-(logprobs * batch["loss_mask"]).sum()).backward()
+        optimizer.step()
+    adapted.eval()
+    lora_b = [adapted.get_parameter(name) for name in trained if ".lora_B." in name]
+    assert lora_b and all(p.abs().max() > 0 for p in lora_b), "the update left an adapter at zero"
+    return adapted, trained
+
+
+def test_a_lora_policy_is_synced_merged_and_greedy_equals_the_hf_backend(text_policy):
+    """After a LoRA update the engine samples the adapted policy: greedy play is the hf backend's on the peft
+    model, token for token, and sampled tokens' log-probabilities are the adapted policy's, not the base's.
+    The sync merges into the engine's weights only: the trained model is left as it was."""
+    from vagen.models import without_wrapper
+
+    model, encoder, decoder = text_policy
+    adapted, _ = _lora_trained(model, encoder, "assets:sokoban_text")
+    before = {name: param.detach().clone() for name, param in adapted.named_parameters()}
+    cfg = load_config(None, ["rollout.max_turns=3", "rollout.max_new_tokens=64", "env.name=sokoban",
+                             "env.render_mode=text"])
+    try:
+        decoder.sync_weights(adapted)
+        after = dict(adapted.named_parameters())
+        assert all(torch.equal(after[name], value) for name, value in before.items())
+        assert not any(getattr(layer, "merged", False) for layer in without_wrapper(adapted).modules())
+        greedy = dict(seeds=[1_000_000_000 + k for k in range(16)], group_size=1, do_sample=False)
+        hf, _ = rollout(adapted, encoder, cfg, decoder=HFDecoder(adapted, encoder), **greedy)
+        vllm, _ = rollout(adapted, encoder, cfg, decoder=decoder, **greedy)
+        assert [ep.input_ids for ep in vllm] == [ep.input_ids for ep in hf]
+        assert [ep.success for ep in vllm] == [ep.success for ep in hf]
+        sampled, _ = rollout(adapted, encoder, cfg, seeds=[5, 6], group_size=2, decoder=decoder, sample_seed=9)
+        to_adapted = sampled_gaps(adapted, encoder, sampled, cfg.rollout.temperature)
+        to_base = sampled_gaps(model, encoder, sampled, cfg.rollout.temperature)
+        assert max(to_adapted) < TOLERANCE, f"max |vLLM - adapted policy| {max(to_adapted):.2e}"
+        assert max(to_base) > 100 * TOLERANCE, f"the update changed the base's log-probs by only {max(to_base):.2e}"
+    finally:
+        decoder.sync_weights(model)
+
+
+def test_a_lora_policy_under_zero3_is_synced_merged_with_its_trained_tower(standard_vl, vl):
+    """ZeRO-3 partitions the peft model's base weights, adapters and trained vision tower
+    (`model.freeze_vision=false`, peft's `modules_to_save`): the sync gathers each group's adapters with it
+    and loads the merged weights and the trained tower under the base model's names."""
+    import deepspeed
+
+    from vagen.distributed import init_distributed
+
+    model, encoder, decoder = vl
+    init_distributed()
+    adapted, trained = _lora_trained(model, encoder, standard_vl, "model.freeze_vision=false")
+    assert any(".modules_to_save." in name for name in trained)
+    expected = copy.deepcopy(adapted).eval()  # the weights whole, for the trainer's log-probs below
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=adapted, model_parameters=[adapted.get_parameter(n) for n in trained],
+                                      config=ds_config)
+    assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in engine.module.parameters())
+    decoder.settings["sync_group_mb"] = 0.5  # several groups
+    cfg = config("rollout.max_turns=2")
+    try:
+        decoder.sync_weights(engine)
+        episodes, _ = rollout(expected, encoder, cfg, seeds=[9], group_size=2, decoder=decoder, sample_seed=5)
+        to_adapted = sampled_gaps(expected, encoder, episodes, 1.0)
+        to_base = sampled_gaps(model, encoder, episodes, 1.0)
+        assert max(to_adapted) < TOLERANCE, f"after a ZeRO-3 sync: max |vLLM - adapted policy| {max(to_adapted):.2e}"
+        assert max(to_base) > 100 * TOLERANCE, f"the update changed the base's log-probs by only {max(to_base):.2e}"
+    finally:
+        decoder.settings["sync_group_mb"] = DEFAULT_SETTINGS["sync_group_mb"]
+        decoder.sync_weights(model)
+
+
 @pytest.mark.slow  # two worker processes take ~1-2 min to start on 2 cores: `-m "vllm and not slow"` leaves it out
 def test_tensor_parallel_engine_samples_and_syncs_the_trainer_policy(standard_vl, vl):
     """vllm.tensor_parallel_size=2: the engine's workers are processes of their own (on the CPU, each
@@ -408,6 +498,16 @@ def test_training_with_vllm_and_per_turn_samples(standard_vl, tmp_path):
 def test_training_with_vllm_on_two_gloo_ranks(zero, tmp_path):
     records = _train(tmp_path, 2, "sokoban_text", f"train.deepspeed_config=deepspeed/{zero}_fp32.json", *FAST_TRAINING)
     _check_vllm_training(records)
+
+
+def test_training_with_vllm_and_lora_samples_the_adapted_policy(tmp_path):
+    """The engine is built from the base checkpoint and given the LoRA actor's merged weights after every
+    update: the tokens it samples have the trained adapted policy's log-probabilities, which the update
+    has moved away from the base's (the KL to the reference, the base under the adapters)."""
+    records = _train(tmp_path, 1, "sokoban_text", *FAST_TRAINING, "model.lora_rank=8", "algo.kl_coef=0.1",
+                     "train.actor_lr=0.003")
+    _check_vllm_training(records)
+    assert records[0]["actor/kl_to_ref"] == 0 and records[1]["actor/kl_to_ref"] > KL_AFTER_LORA_UPDATE, records
 
 
 def _evaluate(out, backend: str) -> dict:

@@ -20,21 +20,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(ranks: int, out: Path, cache: str) -> None:
-    """The DeepSpeed launcher run by this interpreter, so the test runs whether or not the `deepspeed`
-    script is on PATH."""
+def _launch(ranks: int, out: Path, cache: str, worker: Path = WORKER, timeout: int = TIMEOUT) -> None:
+    """`worker` on `ranks` ranks, by the DeepSpeed launcher run by this interpreter, so the test runs whether
+    or not the `deepspeed` script is on PATH."""
     env = child_env()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
-           str(_free_port()), str(WORKER), "--out", str(out), "--cache", cache]
+           str(_free_port()), str(worker), "--out", str(out), "--cache", cache]
     # A session of its own, so that a timeout ends the ranks too, not only the launcher.
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
     try:
-        stdout, stderr = launcher.communicate(timeout=TIMEOUT)
+        stdout, stderr = launcher.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(launcher.pid, signal.SIGKILL)
         stdout, stderr = launcher.communicate()
-        raise AssertionError(f"the two ranks did not finish in {TIMEOUT} s (a collective that one rank never "
+        raise AssertionError(f"the {ranks} ranks did not finish in {timeout} s (a collective that one rank never "
                              f"joined?):\n{stdout[-3000:]}\n{stderr[-3000:]}") from None
     assert launcher.returncode == 0, stdout[-3000:] + stderr[-3000:]
 

@@ -523,8 +523,8 @@ def _check_state_reward(cfg: Config) -> None:
 
 
 def _check_lora(cfg: Config) -> None:
-    """LoRA settings in range, and the combinations it cannot train (what needs the model loaded, such as
-    target names that do not exist, is checked by `vagen.models.add_adapters`)."""
+    """LoRA settings in range, and the combinations it cannot train (what needs the model's architecture,
+    such as target names that do not exist, is checked by `vagen.models.check_lora_targets`)."""
     m = cfg.model
     if m.lora_rank < 0:
         raise ConfigError(f"model.lora_rank={m.lora_rank} must be >= 0 (0 = full fine-tuning; 8-64 is usual for LoRA)")
@@ -537,10 +537,6 @@ def _check_lora(cfg: Config) -> None:
                           f"[{', '.join(LORA_TARGETS)}]")
     if m.lora_rank == 0:
         return
-    if cfg.rollout.backend == "vllm":
-        raise ConfigError(f"model.lora_rank={m.lora_rank} with rollout.backend=vllm: the vLLM engine's weight sync "
-                          f"loads whole weights, not LoRA adapters; use rollout.backend=hf (which samples the adapted "
-                          f"policy), or model.lora_rank=0 for full fine-tuning")
     if m.path == "builtin:tiny-vl" and m.freeze_vision:
         raise ConfigError("model.path=builtin:tiny-vl is randomly initialised: its vision tower (whose image tokens "
                           "the built-in's hooks centre and position-code so that it can learn to read cells) has never "
@@ -596,14 +592,10 @@ def check_training(cfg: Config) -> None:
         except (json.JSONDecodeError, AttributeError) as err:
             raise ConfigError(f"train.deepspeed_config={cfg.train.deepspeed_config}: {path} is not a JSON object "
                               f"of DeepSpeed settings ({err})") from None
-        if cfg.model.lora_rank > 0 and stage == 3:
-            raise ConfigError(
-                f"model.lora_rank={cfg.model.lora_rank} with train.deepspeed_config={cfg.train.deepspeed_config} "
-                f"(ZeRO stage 3) is not supported: the log-probabilities' checkpointed LM head is frozen under LoRA, "
-                f"and ZeRO-3 does not gather a frozen head's weight again when backward recomputes it; use ZeRO-0 or "
-                f"ZeRO-2 (train.deepspeed_config=deepspeed/zero0_fp32.json, or deepspeed/zero2_bf16.json with "
-                f"model.dtype=bfloat16): with LoRA the optimizer states are the adapters' alone, which ZeRO-3 would "
-                f"mostly have saved")
+        if cfg.model.lora_rank > 0 and stage == 3 and cfg.model.gradient_checkpointing:
+            problem = _frozen_recompute_problem(cfg)
+            if problem:
+                raise ConfigError(problem)
         if cfg.model.dtype == "float32" and (bf16 or fp16):
             half = "bfloat16" if bf16 else "float16"
             raise ConfigError(
@@ -631,6 +623,31 @@ def check_training(cfg: Config) -> None:
     problem = missing_packages_error(cfg.log.trackers)  # before any work, not at the first log
     if problem:
         raise ConfigError(problem)
+
+
+# DeepSpeed keeps a frozen parameter that a checkpointed layer's recompute gathers until that layer's backward
+# is done from this version on (deepspeedai/DeepSpeed#8148); before it, ZeRO-3 partitioned it again at once.
+DEEPSPEED_FROZEN_RECOMPUTE = "0.19.3"
+
+
+def _frozen_recompute_problem(cfg: Config) -> str | None:
+    """Why LoRA (a frozen base) with gradient checkpointing under ZeRO-3 cannot train with the installed
+    DeepSpeed, or None when it can."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    try:
+        installed = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # the engines' own import fails with its message
+    if Version(installed) >= Version(DEEPSPEED_FROZEN_RECOMPUTE):
+        return None
+    return (f"model.lora_rank={cfg.model.lora_rank} with model.gradient_checkpointing=true and "
+            f"train.deepspeed_config={cfg.train.deepspeed_config} (ZeRO stage 3) needs DeepSpeed >= "
+            f"{DEEPSPEED_FROZEN_RECOMPUTE}, which keeps a frozen base weight gathered while backward recomputes a "
+            f"checkpointed layer; DeepSpeed {installed} partitions it again, and backward fails. pip install "
+            f"\"deepspeed>={DEEPSPEED_FROZEN_RECOMPUTE}\", or set model.gradient_checkpointing=false")
 
 
 # -- typed assignment ------------------------------------------------------------------------------

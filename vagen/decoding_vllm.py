@@ -18,8 +18,11 @@ What the engine is given and what comes back are exactly the tokens training use
 Weights follow training through `sync_weights(model)`: the actor's parameters are loaded into the
 engine by vLLM's in-place reload, a group of whole layers at a time (under ZeRO-3 each group is
 gathered with `GatheredParameters`, never the whole model at once), then the prefix and encoder caches
-are reset, so no key, value or image embedding of the old weights is reused. On a GPU, `sleep()` releases the engine's memory while the
-update runs and `wake_up()` restores it (vLLM's sleep mode); on the CPU both do nothing.
+are reset, so no key, value or image embedding of the old weights is reused. A LoRA policy (a peft
+model) is loaded merged: each adapted layer's weight W + scale B A under the base model's names,
+computed beside the trained model, which is left as it is; the engine samples the adapted policy. On a
+GPU, `sleep()` releases the engine's memory while the update runs and `wake_up()` restores it (vLLM's
+sleep mode); on the CPU both do nothing.
 
 Built-in tiny models whose config turns on vagen's image hooks (`vagen_center_image_tokens`,
 `vagen_image_position_code`) are refused: stock vLLM does not run those hooks, so it would sample a
@@ -37,8 +40,9 @@ from pathlib import Path
 import torch
 
 from vagen.decoding import STOP_STRING, Generated, Sampling, request_seed
+from vagen.distributed import gathered
 from vagen.episode import ChatEncoder, Episode
-from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE
+from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, has_adapters, without_wrapper
 
 # Engine settings, read from the `vllm` config section where it exists (see `settings_from`).
 DEFAULT_SETTINGS = {
@@ -288,18 +292,20 @@ class VLLMDecoder:
         start = time.perf_counter()
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep; call wake_up() before sync_weights()")
-        groups = list(weight_groups(unwrap(model), float(self.settings["sync_group_mb"]) * 2**20))
+        module = unwrap(model)
+        adapted = lora_layers(module)
+        groups = list(weight_groups(without_wrapper(module), float(self.settings["sync_group_mb"]) * 2**20))
         if self.in_process:
             # One reload over a generator: the engine pulls each group while it is gathered.
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _gathered_weights(groups),
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _gathered_weights(groups, adapted),
                                                               "is_checkpoint_format": True})
         else:
             # Worker processes get each group serialised (vLLM's own messages carry no nested tensors);
             # layers outside a group keep their weights.
             for group in groups:
-                with _gathered([param for _, param in group]):
+                with gathered(_group_parameters(group, adapted)):
                     buffer = io.BytesIO()
-                    torch.save([(name, param.data.detach().cpu()) for name, param in group], buffer)
+                    torch.save([(name, tensor.cpu()) for name, tensor in engine_weights(group, adapted)], buffer)
                 self.llm.collective_rpc(_reload_serialized, args=(buffer.getvalue(),))
         self.llm.apply_model(_repack_tied_heads)
         self.llm.reset_prefix_cache()  # keys and values of the old weights
@@ -346,12 +352,59 @@ def weight_groups(module, limit_bytes: float):
         yield group
 
 
-def _gathered_weights(groups):
-    """(name, tensor) of every group, each group's parameters gathered (ZeRO-3) while they are read."""
+def lora_layers(module) -> dict:
+    """The LoRA layers of a peft model (`vagen.models.add_adapters`) by their name in its base model
+    (`without_wrapper`); {} for any other model."""
+    if not has_adapters(module):
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    return {name: layer for name, layer in without_wrapper(module).named_modules() if isinstance(layer, LoraLayer)}
+
+
+def engine_weights(group, adapted: dict):
+    """(name, tensor) pairs as the engine loads them, from a group of `weight_groups` whose parameters are
+    whole on this rank. A model without adapters gives its parameters as they are. A peft model gives the
+    policy its adapters compute, under the base model's names: an adapted layer's weight merged, W + scale
+    B A for each active adapter (peft's own `get_delta_weight`), into a new tensor (the trained model is
+    not modified); `.base_layer` left out of names; the adapters themselves left out; of a module peft
+    trains whole (`modules_to_save`, the vision tower with `model.freeze_vision=false`), the trained copy
+    under the original's name, and the original (which the reference runs) left out."""
+    for name, param in group:
+        parts = name.split(".")
+        if any(part.startswith("lora_") for part in parts) or "original_module" in parts:
+            continue
+        tensor = param.data.detach()
+        if parts[-2:-1] == ["base_layer"] and ".".join(parts[:-2]) in adapted:
+            layer = adapted[".".join(parts[:-2])]
+            if parts[-1] == "weight" and not layer.merged:
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        tensor = tensor + layer.get_delta_weight(adapter)
+        if "modules_to_save" in parts:  # `modules_to_save.<adapter>.` -> `.`
+            at = parts.index("modules_to_save")
+            parts = parts[:at] + parts[at + 2 :]
+        yield ".".join(part for part in parts if part != "base_layer"), tensor
+
+
+def _group_parameters(group, adapted: dict) -> list:
+    """The parameters `engine_weights` reads for `group`: its own and the adapters of its adapted layers."""
+    params = {id(param): param for _, param in group}
+    for name, _ in group:
+        layer = adapted.get(name.removesuffix(".base_layer.weight")) if name.endswith(".base_layer.weight") else None
+        if layer is not None:
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    for param in (*layer.lora_A[adapter].parameters(), *layer.lora_B[adapter].parameters()):
+                        params[id(param)] = param
+    return list(params.values())
+
+
+def _gathered_weights(groups, adapted: dict):
+    """`engine_weights` of every group, each group's parameters gathered (ZeRO-3) while they are read."""
     for group in groups:
-        with _gathered([param for _, param in group]):
-            for name, param in group:
-                yield name, param.data.detach()
+        with gathered(_group_parameters(group, adapted)):
+            yield from engine_weights(group, adapted)
 
 
 # Engine cores running in this process: vLLM's parallel state (its process groups) is one per process,
@@ -429,17 +482,6 @@ def _repack_tied_heads(engine_model) -> None:
 def _full_numel(param) -> int:
     """Elements of a parameter, whole: a ZeRO-3 partitioned one reports its full shape in `ds_numel`."""
     return int(getattr(param, "ds_numel", param.numel()))
-
-
-def _gathered(params: list):
-    """Inside, `params` hold their whole data on this rank: gathered when ZeRO-3 partitions them."""
-    import contextlib
-
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
 def __getattr__(name: str):

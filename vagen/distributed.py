@@ -152,6 +152,18 @@ def partitioned_over_ranks(module) -> bool:
     return first is not None and hasattr(first, "ds_id") and world_size() > 1
 
 
+def gathered(params: list):
+    """Inside, `params` hold their whole data on this rank: gathered from the ranks (a collective) where
+    ZeRO-3 partitions them, and partitioned again on leaving; nothing happens to others."""
+    import contextlib
+
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
 class Lockstep:
     """Whether forward passes of `model` must run on all ranks together, and the agreement between
     ranks that keeps them so. On when `partitioned_over_ranks(model)`; otherwise every method is

@@ -521,6 +521,25 @@ def lora_targets(model: nn.Module, names: list[str]) -> list[str]:
     return [n for n in linear if n.rsplit(".", 1)[-1] in names]
 
 
+def check_lora_targets(model_cfg) -> None:
+    """`model.lora_target_modules` against the linear layers of `model.path`'s language model, before any
+    work: the architecture is built from the checkpoint's config.json on the meta device (no weights are
+    read or allocated, at any size), and nothing is written. Raises ConfigError naming the valid names."""
+    from vagen.config import ConfigError
+
+    _quiet_transformers()
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    path = base_checkpoint(model_cfg)
+    auto = AutoModelForImageTextToText if is_vision_checkpoint(path) else AutoModelForCausalLM
+    with torch.device("meta"):
+        skeleton = auto.from_config(AutoConfig.from_pretrained(path))
+    try:
+        lora_targets(skeleton, model_cfg.lora_target_modules)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def add_adapters(model: nn.Module, model_cfg) -> nn.Module:
     """`model` as a peft `PeftModel` with LoRA adapters (`model.lora_*`) on its language model's target
     layers; every base weight frozen. With `model.freeze_vision=false` the vision tower (merger

@@ -34,6 +34,10 @@ def main(argv=None) -> int:
     cfg = load_config_or_exit(args.config, args.overrides)  # fails fast, before torch loads
     try:
         check_training(cfg)
+        if cfg.model.lora_rank > 0:  # a target name that does not exist fails here, before anything is written
+            from vagen.models import check_lora_targets
+
+            check_lora_targets(cfg.model)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -151,7 +155,7 @@ def build_models(cfg, dist, run, is_main_process: bool) -> Models:
         if cfg.model.gradient_checkpointing:
             # Non-reentrant checkpointing: gradients reach the weights even where no input requires grad.
             actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        actor = add_adapters(actor, cfg.model) if lora else actor  # a wrong target name fails here, first
+        actor = add_adapters(actor, cfg.model) if lora else actor
         critic = build_critic(cfg, path) if cfg.algo.adv_estimator in ("gae", "turn_gae") else None
         reference = load_policy(path, cfg.model.dtype)[0] if cfg.algo.kl_coef > 0 and not lora else None
     encoder = ChatEncoder(processor)

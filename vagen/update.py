@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from vagen import core
-from vagen.distributed import all_reduce, gather_objects, partitioned_over_ranks
+from vagen.distributed import all_reduce, gather_objects, gathered, partitioned_over_ranks
 from vagen.models import forward_shared_prefix
 from vagen.trajectory import Sample, collate, model_inputs
 
@@ -44,9 +44,33 @@ def head_chunk_rows(rows: int, vocab: int) -> int:
     return max(1, min(-(-rows // HEAD_CHUNK_FRACTION), budget))
 
 
+def _head_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor:
+    """`lm_head(hidden)`. A frozen head whose parameters ZeRO-3 partitions (LoRA) is applied through
+    detached aliases of its parameters, gathered for the call.
+
+    Why: with gradients, backward recomputes each chunk (torch's non-reentrant checkpoint), and the
+    recompute keeps a frozen tensor it saves as that very tensor (a trained one as a detached alias). The
+    head's ZeRO-3 hooks partition its parameters again when the recomputed call returns, which empties
+    them in place (`param.data` becomes a 0-element tensor), so the saved weight would be empty by the
+    time the chunk's backward reads it (torch's checkpoint refuses it: "Recomputed values ... have
+    different metadata"). DeepSpeed keeps such a parameter gathered until the backward of the module it
+    is recomputed for ends, but the head runs after the engine's forward, outside every module whose
+    backward is running. An alias keeps the gathered values alive until the chunk's backward is done and
+    no longer, as torch's checkpoint does for a trained head: one gathered head at a time, forward or
+    backward."""
+    params = list(lm_head.parameters())
+    # A parameter ZeRO-3 persists (`stage3_param_persistence_threshold`) is released too until its trace of
+    # the model's calls is complete.
+    if not any(hasattr(p, "ds_id") for p in params) or any(p.requires_grad for p in params):
+        return lm_head(hidden)
+    with gathered(params):
+        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()
+        return torch.nn.functional.linear(hidden, lm_head.weight.detach(), bias)
+
+
 def _head_chunk(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
                 suppress: torch.Tensor | None):
-    logits = lm_head(hidden).float()
+    logits = _head_logits(lm_head, hidden).float()
     if suppress is not None:
         logits = logits.index_fill(-1, suppress, float("-inf"))
     if temperature > 0 and temperature != 1.0:
