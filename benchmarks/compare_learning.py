@@ -1,0 +1,126 @@
+"""Held-out success against CPU-minutes for arms of `benchmarks/learning.py` runs given as LABEL=FOLDER
+(e.g. full fine-tuning against LoRA). Prints two Markdown tables, success (each seed's last evaluation and
+its last within --minutes, 95% Wilson intervals, and each arm pooled over its seeds) and cost (iterations,
+seconds per iteration and its parts, from the runs' metrics.jsonl), and writes one plot of every seed's curve.
+
+    python benchmarks/compare_learning.py "full fine-tuning=runs/fresh_k1" "LoRA r=8=runs/lora_r8" \\
+        --plot docs/results/figures/lora_run_lr.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
+
+
+def arm(text: str) -> tuple[str, Path]:
+    label, sep, folder = text.rpartition("=")
+    if not sep or not label:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass LABEL=FOLDER, e.g. 'LoRA r=8=runs/lora_r8'")
+    return label, Path(folder)
+
+
+def metrics_of(run_dir: Path, env: str, method: str, seed: str) -> list[dict]:
+    """The metrics.jsonl rows of one seed's training run (the run folder is <config>-<method>-seed<N>)."""
+    files = sorted((run_dir / "runs").glob(f"{env}*-{method}-seed{seed}/metrics.jsonl"))
+    if not files:
+        return []
+    return [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def main(argv=None) -> int:
+    from vagen.eval import wilson_interval
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("arms", nargs="+", type=arm, help="LABEL=FOLDER, a --out folder of benchmarks/learning.py")
+    parser.add_argument("--env", default="frozenlake")
+    parser.add_argument("--method", default="TRICO")
+    parser.add_argument("--minutes", type=float, default=6.0, help="the CPU budget compared at")
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    def cell(successes: int, n: int) -> str:
+        low, high = wilson_interval(successes, n)
+        return f"{successes / n:.3f} ({low:.3f}–{high:.3f})"
+
+    print(f"| arm | seed | last evaluation: iteration, CPU-min | greedy (95% CI) | sampled (95% CI) "
+          f"| last within {args.minutes:g} CPU-min: iteration, CPU-min, greedy |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    curves, costs, start = {}, [], None
+    for label, run_dir in args.arms:
+        result = json.loads((run_dir / "results.json").read_text())[args.env]
+        start = result["warm_start"]["greedy"]["success"]
+        finals, pooled = [], {"greedy": [0, 0], "sampled": [0, 0]}
+        for seed, curve in sorted(result["methods"][args.method].items()):
+            last = curve[-1]
+            within = [p for p in curve if p["cpu_minutes"] <= args.minutes]
+            budget = (f"{within[-1]['iteration']}, {within[-1]['cpu_minutes']:.1f}, "
+                      f"{within[-1]['greedy']['success']:.3f}") if within else "–"
+            print(f"| {label} | {seed} | {last['iteration']}, {last['cpu_minutes']:.1f} | "
+                  f"{cell(last['greedy']['successes'], last['greedy']['n'])} | "
+                  f"{cell(last['sampled']['successes'], last['sampled']['n'])} | {budget} |")
+            finals.append(last["greedy"]["success"])
+            for kind in pooled:
+                pooled[kind][0] += last[kind]["successes"]
+                pooled[kind][1] += last[kind]["n"]
+            curves.setdefault(label, []).append([(0.0, start)] + [(p["cpu_minutes"], p["greedy"]["success"])
+                                                                  for p in curve])
+            rows = metrics_of(run_dir, args.env, args.method, seed)
+            costs.append((label, seed, last, rows))
+        print(f"| {label} | all {len(finals)} pooled | | {cell(*pooled['greedy'])} | {cell(*pooled['sampled'])} "
+              f"| seeds {min(finals):.3f}–{max(finals):.3f} |")
+
+    print("\n| arm | seed | iterations | CPU-s / iteration | s / iteration | generate | annotate | update "
+          "| mean actor/approx_kl | mean actor/grad_norm | rollout/success, first 3 → last 3 iterations |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for label, seed, last, rows in costs:
+        if not rows:
+            print(f"| {label} | {seed} | {last['iteration']} | – | – | – | – | – | – | – | – |")
+            continue
+
+        def avg(key: str, rows=rows) -> float:
+            return mean([r[key] for r in rows if key in r])
+
+        success = [r["rollout/success"] for r in rows if "rollout/success" in r]
+        print(f"| {label} | {seed} | {len(rows)} | {60 * last['cpu_minutes'] / last['iteration']:.1f} "
+              f"| {avg('timing/iteration'):.1f} | {avg('timing/generate'):.1f} | {avg('timing/annotate'):.1f} "
+              f"| {avg('timing/update'):.1f} | {avg('actor/approx_kl'):.1e} | {avg('actor/grad_norm'):.3f} "
+              f"| {mean(success[:3]):.3f} → {mean(success[-3:]):.3f} |")
+
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for (label, runs), color in zip(curves.items(), COLORS):
+            for i, curve in enumerate(runs):
+                ax.plot(*zip(*curve), marker="o", ms=3, color=color, alpha=0.8, label=label if i == 0 else None)
+        ax.axhline(start, color="grey", ls="--", lw=1, label="warm start")
+        ax.axvline(args.minutes, color="grey", ls=":", lw=1)
+        ax.set_xlabel("CPU-minutes of training")
+        ax.set_ylabel("greedy held-out success")
+        ax.set_title(f"{args.env}, {args.method}: " + " vs ".join(curves))
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.plot, dpi=110)
+        print(f"\nwrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
