@@ -1,7 +1,8 @@
 """Held-out success against CPU-minutes for arms of `benchmarks/learning.py` runs given as LABEL=FOLDER
-(e.g. full fine-tuning against LoRA). Prints two Markdown tables, success (each seed's last evaluation and
-its last within --minutes, 95% Wilson intervals, and each arm pooled over its seeds) and cost (iterations,
-seconds per iteration and its parts, from the runs' metrics.jsonl), and writes one plot of every seed's curve.
+(e.g. full fine-tuning against LoRA). Prints three Markdown tables: success (each seed's last evaluation and
+its last within --minutes, 95% Wilson intervals, and each arm pooled over its seeds), success at each
+evaluated iteration, and cost (iterations, seconds per iteration and its parts, from the runs'
+metrics.jsonl); writes one plot of every seed's curve.
 
     python benchmarks/compare_learning.py "full fine-tuning=runs/fresh_k1" "LoRA r=8=runs/lora_r8" \\
         --plot docs/results/figures/lora_run_lr.png
@@ -80,6 +81,20 @@ def main(argv=None) -> int:
             costs.append((label, seed, last, rows))
         print(f"| {label} | all {len(finals)} pooled | | {cell(*pooled['greedy'])} | {cell(*pooled['sampled'])} "
               f"| seeds {min(finals):.3f}–{max(finals):.3f} |")
+
+    print("\n| arm | iteration | greedy per seed | greedy, seeds pooled (95% CI) | CPU-min per seed |")
+    print("| --- | ---: | --- | --- | --- |")
+    for label, run_dir in args.arms:
+        result = json.loads((run_dir / "results.json").read_text())[args.env]["methods"][args.method]
+        by_iteration: dict[int, list[dict]] = {}
+        for _, curve in sorted(result.items()):
+            for point in curve:
+                by_iteration.setdefault(point["iteration"], []).append(point)
+        for iteration, points in sorted(by_iteration.items()):
+            successes, n = sum(p["greedy"]["successes"] for p in points), sum(p["greedy"]["n"] for p in points)
+            per_seed = " / ".join(f"{p['greedy']['success']:.3f}" for p in points)
+            cpu = " / ".join(f"{p['cpu_minutes']:.1f}" for p in points)
+            print(f"| {label} | {iteration} | {per_seed} | {cell(successes, n)} | {cpu} |")
 
     print("\n| arm | seed | iterations | CPU-s / iteration | s / iteration | generate | annotate | update "
           "| mean actor/approx_kl | mean actor/grad_norm | rollout/success, first 3 → last 3 iterations |")
