@@ -24,7 +24,8 @@ in-group reward std, entropy and gradient norm against the iteration, with its w
 evaluation is drawn at the last iteration it saw, the warm start at -1).
 
 A run stopped before learning.py wrote results.json still has its evaluations in the log that
-learning.py printed: pass it with --log (the lines "METHOD seed S it N cpu C min  greedy G ...").
+learning.py printed: pass it with --log (the lines "METHOD seed S it N cpu C min  greedy G ...";
+several logs are read as one).
 """
 
 from __future__ import annotations
@@ -79,10 +80,11 @@ WARM_LINE = re.compile(r"warm start greedy ([\d.]+)")
 LEVELS_LINE = re.compile(r"(\d+) distinct held-out levels")
 
 
-def results_from_log(log: Path) -> dict:
-    """results.json's shape ({env: {"warm_start", "methods"}}) from a learning.py log: one env."""
+def results_from_log(logs: list[Path]) -> dict:
+    """results.json's shape ({env: {"warm_start", "methods"}}) from learning.py logs of one env (a
+    child run with --only-seed prints no warm start line: pass it after its parent's log)."""
     methods, warm, n = {}, None, None
-    for line in log.read_text().splitlines():
+    for line in "\n".join(log.read_text() for log in logs).splitlines():
         if (m := LEVELS_LINE.search(line)) and n is None:
             n = int(m.group(1))
         elif (m := WARM_LINE.search(line)) and warm is None:
@@ -93,17 +95,17 @@ def results_from_log(log: Path) -> dict:
                 {"iteration": int(iteration), "cpu_minutes": float(cpu),
                  "greedy": {"success": float(greedy), "successes": round(float(greedy) * n), "n": n}})
     if warm is None or n is None:
-        raise SystemExit(f"{log}: no 'warm start greedy' or 'distinct held-out levels' line; pass learning.py's log")
+        raise SystemExit(f"{logs}: no 'warm start greedy' or 'distinct held-out levels' line; pass learning.py's log")
     return {"log": {"warm_start": {"greedy": {"success": warm, "successes": round(warm * n), "n": n}},
                     "methods": methods}}
 
 
-def load_runs(out: Path, env: str, log: Path | None = None):
+def load_runs(out: Path, env: str, logs: list[Path] | None = None):
     """(name, metrics rows, held-out curve or None, warm start greedy or None) for each run under `out`."""
     if (out / "results.json").exists():
         results = json.loads((out / "results.json").read_text())
     else:
-        results = results_from_log(log) if log else {}
+        results = results_from_log(logs) if logs else {}
     for metrics in sorted(out.glob("runs/*/metrics.jsonl")):
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         name = metrics.parent.name  # e.g. sokoban_visual-GRPO-seed0
@@ -121,8 +123,8 @@ def main(argv=None) -> int:
     parser.add_argument("--drop", type=float, default=0.10, help="a fall in success larger than this is a drop")
     parser.add_argument("--window", type=int, default=5, help="iterations in the training-success mean")
     parser.add_argument("--plot", type=Path, default=None, help="a figure of the collapsed runs' signals")
-    parser.add_argument("--log", type=Path, default=None,
-                        help="learning.py's log, for an out folder without results.json (a stopped run)")
+    parser.add_argument("--log", type=Path, nargs="+", default=None,
+                        help="learning.py's logs, for an out folder without results.json (a stopped run)")
     args = parser.parse_args(argv)
 
     kinds = list(KINDS)
