@@ -6,7 +6,7 @@ start on that arm's settings, each training seed's last evaluation (greedy and s
 intervals), the mean over seeds, and the pooled interval over all seeds' episodes (the same levels
 once per seed, so narrower than over as many distinct levels). A second table gives training-rollout
 means over each run's first and last three iterations that sampled rollouts (from metrics.jsonl). Writes one plot of every
-seed's greedy curve against CPU-minutes. A folder without results.json (a run stopped early) gives
+seed's greedy curve against CPU-minutes, over the first arm's warm-start interval. A folder without results.json (a run stopped early) gives
 only its training-rollout rows.
 
     python benchmarks/arms.py runs/div_4x16 runs/div_16x4 runs/div_64x1 \\
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
 
     print("| arm | row | iteration, CPU-min | greedy (95% CI) | sampled (95% CI) |")
     print("| --- | --- | --- | --- | --- |")
-    curves, rollout_rows = {}, []
+    curves, rollout_rows, warm_band = {}, [], None
     for run_dir in args.runs:
         arm = arm_name(run_dir, args.keys)
         if not (run_dir / "results.json").exists():  # a stopped run: its training rollouts only
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
         print(f"| {arm} | teacher / solver / best blind plan | – | {base['teacher']['success']:.3f} / "
               f"{base['solver']['success']:.3f} / {base['blind']['success']:.3f} | – |")
         ws = result["warm_start"]
+        warm_band = warm_band or wilson_interval(ws["greedy"]["successes"], ws["greedy"]["n"])
         print(f"| {arm} | warm start | 0, 0.0 | {cell(ws['greedy']['successes'], ws['greedy']['n'])} | "
               f"{cell(ws['sampled']['successes'], ws['sampled']['n'])} |")
         finals, pooled = [], {"greedy": [0, 0], "sampled": [0, 0]}
@@ -123,6 +124,8 @@ def main(argv=None) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4))
+        if warm_band:
+            ax.axhspan(*warm_band, color="grey", alpha=0.15, label="warm start, 95% CI (first arm's)")
         colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
         for (arm, runs), color in zip(curves.items(), colors):
             for i, curve in enumerate(runs):
