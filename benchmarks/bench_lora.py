@@ -18,8 +18,9 @@ projections; the vision tower frozen). KL on is `algo.kl_coef=0.01`. Each settin
 - trainable: parameters that require a gradient in the actor's engine (what reaches the optimizer);
 - optimizer states: the bytes of every tensor in the optimizer's state after its steps (AdamW's
   exp_avg and exp_avg_sq, and its step counters), read from `optimizer.state`;
-- peak RSS: the process's VmHWM at the end of the last update (/proc/self/status), and VmRSS just
-  before `build_models` (torch and DeepSpeed loaded) for comparison;
+- peak RSS: the process's VmHWM (/proc/self/status) at the end of the first update (settings with
+  different step counts compare there) and of the last, and VmRSS just before `build_models` (torch and
+  DeepSpeed loaded) for comparison;
 - models loaded: calls of `vagen.models.load_policy` during `build_models`, and the reference's
   parameters that are not the actor's (0 when the reference is the actor with adapters disabled);
 - update tokens/s: the tokens of the update's sequences (prompt and response) over the wall time of
@@ -219,17 +220,17 @@ def tokens_per_second(record: dict) -> str:
 
 def table(records: list[dict]) -> str:
     full = next((r for r in records if r["name"] == "full" and not r["kl"] and not r.get("stopped")), None)
-    lines = ["| setting | KL | trainable parameters | optimizer states (MiB) | vs full | peak RSS (GiB) "
+    lines = ["| setting | KL | trainable parameters | optimizer states (MiB) | vs full | peak RSS after update 1 (GiB) | at the end (GiB) "
              "| RSS before build (GiB) | models loaded | reference (params beyond the actor's) "
              "| update tokens/s | update tokens / CPU-s | s / update | load average |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in records:
         if r.get("stopped"):
-            state, versus, peak = "–", "–", f"≥ {r['peak'] / GIB:.2f} (stopped)"
+            state, versus, peak = "–", "–", f"≥ {r['peak'] / GIB:.2f} (stopped) | –"
         else:
             state = r["updates"][-1]["optimizer_state_bytes"]
             versus = f"{state / full['updates'][-1]['optimizer_state_bytes']:.2%}" if full else "–"
-            state, peak = f"{state / MIB:,.1f}", f"{r['peak'] / GIB:.2f}"
+            state, peak = f"{state / MIB:,.1f}", f"{r['updates'][0]['peak'] / GIB:.2f} | {r['peak'] / GIB:.2f}"
         reference = "none" if r["reference"] is None else f"{r['reference']} ({r['reference_extra_params']:,})"
         lines.append(f"| {SETTINGS[r['name']][0]} | {'on' if r['kl'] else 'off'} | {r['trainable']:,} "
                      f"({r['trainable'] / r['params']:.2%}) | {state} | {versus} | {peak} "
