@@ -23,8 +23,10 @@ from envs_visual.navigation import (
     NavigationEnv,
     _segment_hits_rects,
     generate_level,
+    level_from_state,
     points_free,
     segments_free,
+    teacher_action,
 )
 
 # mujoco through the env module, which sets MUJOCO_GL=egl before mujoco's first import
@@ -202,6 +204,30 @@ def test_planner_works_from_any_pose_and_with_45_degree_turns():
         plan = env.solve()
         _, _, terminated, _, info = run_plan(env, plan)
         assert info["success"] and terminated, (seed, plan)
+
+
+def test_the_teacher_walks_to_the_target_facing_each_step_and_slips_sometimes(text_env):
+    """`teacher_action`, the demonstrations' imperfect policy: without `rng` it only steps ahead or turns
+    to face the next cell of a shortest way, so it reaches the target on nearly every level, never in
+    fewer steps than the planner and often in more; with `rng` it also slips into random moves."""
+    reached, longer = {"plain": 0, "slips": 0}, 0
+    for seed in range(30):
+        text_env.reset(seed=seed)
+        assert level_from_state(text_env.state()) == text_env.level
+        shortest = len(text_env.solve())
+        for kind in reached:
+            text_env.reset(seed=seed)
+            rng = np.random.default_rng(seed) if kind == "slips" else None
+            info = {"success": False}
+            while not text_env.done:
+                action = teacher_action(text_env.state(), rng)
+                assert action in (ACTIONS if rng else ("moveahead", "rotateleft", "rotateright")), action
+                _, _, _, _, info = text_env.step(answer([action]))
+            reached[kind] += info["success"]
+            if kind == "plain" and info["success"]:
+                assert info["steps"] >= shortest, (seed, info["steps"], shortest)
+                longer += info["steps"] > shortest
+    assert reached["plain"] >= 27 and reached["slips"] >= 24 and longer >= 10, (reached, longer)
 
 
 # -- rendering -------------------------------------------------------------------------------------
