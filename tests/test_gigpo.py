@@ -521,3 +521,28 @@ def test_sokoban_visual_trains_one_iteration_with_gigpo_and_no_critic(tmp_path, 
     assert not any(key.startswith("critic/") for key in record)
     ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
     assert (ckpt / "actor").exists() and not (ckpt / "critic").exists()
+
+
+def test_step_group_statistics_of_the_benchmark_on_a_hand_checked_case():
+    from benchmark_scripts import load
+
+    stats = load("step_groups").step_group_stats
+    # level group 0: turns 0 share "a"; a later turn returns to "a"; "b" once. level group 1: "a" alone.
+    turns = [(0, 0, "a"), (0, 0, "a"), (0, 1, "a"), (0, 1, "b"), (1, 0, "a")]
+    out = stats(turns)
+    assert out == {"turns": 5, "later_turns": 2, "share": 3 / 5, "size": 5 / 3, "later_share": 1 / 2}
+
+
+def test_step_group_benchmark_groups_random_play_by_level_and_state():
+    from benchmark_scripts import load
+
+    from vagen.config import load_config
+
+    bench = load("step_groups")
+    cfg = load_config("frozenlake_visual")
+    keyed = bench.random_turns(cfg, [3, 4], group_size=3)
+    assert {group for group, _, _ in keyed} == {0, 1}
+    assert [turn for _, turn, _ in keyed if turn == 0] == [0] * 6  # one first turn per rollout
+    # every rollout of a level starts from its reset state: the first turns form one group per level
+    assert len({(g, k) for g, t, k in keyed if t == 0}) == 2
+    assert bench.random_turns(cfg, [3, 4], group_size=3) == keyed  # random actions drawn from (seed, member)
