@@ -35,10 +35,11 @@ METHODS = {
     "TRICO": ["algo.adv_estimator=turn_gae", "algo.token_selection=entropy"],
     "PPO": ["algo.adv_estimator=gae", "algo.token_selection=all"],
     "GRPO": ["algo.adv_estimator=grpo", "algo.token_selection=all"],
-    # step-level credit without a critic, on the whole history and on per-turn samples with a 2-turn window
+    # step-level credit without a critic, on the whole history and on per-turn samples with a one-turn window
+    # (with the tiny configs' 3 turns a 2-turn window is the whole history: only the third turn's prompt differs)
     "GiGPO": ["algo.adv_estimator=gigpo", "algo.token_selection=all"],
     "GiGPO-window": ["algo.adv_estimator=gigpo", "algo.token_selection=all", "rollout.context=window",
-                     "rollout.window_turns=2"],
+                     "rollout.window_turns=1"],
 }
 # Every RL run: 8 levels x 8 rollouts per iteration (16 episodes per iteration gave updates too noisy
 # to help), on-policy sampling (temperature 1, no nucleus), two optimizer steps per iteration.
