@@ -215,7 +215,7 @@ def run_in_children(env: str, args, out: Path) -> tuple[dict[str, dict[int, list
               *(["--warm-start", args.warm_start] if args.warm_start else []), *args.overrides]
     child_env = {k: v for k, v in os.environ.items() if k not in
                  ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    tasks = [(method, seed) for method in args.methods for seed in range(args.seeds)]
+    tasks = [(method, seed) for seed in range(args.seeds) for method in args.methods]  # every method's seed 0 first
     running, failed = [], {}
     while tasks or running:
         while tasks and len(running) < args.jobs:
