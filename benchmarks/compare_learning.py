@@ -1,8 +1,10 @@
 """Held-out success against CPU-minutes for arms of `benchmarks/learning.py` runs given as LABEL=FOLDER
-(e.g. full fine-tuning against LoRA). Prints three Markdown tables: success (each seed's last evaluation and
+(e.g. full fine-tuning against LoRA), or LABEL=FOLDER@METHOD for one method of a folder that ran several
+(e.g. "GiGPO=runs/cmp@GiGPO" "GRPO=runs/cmp@GRPO"; without @, --method). Prints three Markdown tables: success (each seed's last evaluation and
 its last within --minutes, 95% Wilson intervals, and each arm pooled over its seeds), success at each
 evaluated iteration, and cost (iterations, seconds per iteration and its parts, from the runs'
-metrics.jsonl); writes one plot of every seed's curve.
+metrics.jsonl), with GiGPO's step-group statistics where the runs logged them; writes one plot of every
+seed's curve.
 
     python benchmarks/compare_learning.py "full fine-tuning=runs/fresh_k1" "LoRA r=8=runs/lora_r8" \\
         --plot docs/results/figures/lora_run_lr.png
@@ -21,11 +23,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
 
 
-def arm(text: str) -> tuple[str, Path]:
+def arm(text: str) -> tuple[str, Path, str | None]:
     label, sep, folder = text.rpartition("=")
     if not sep or not label:
-        raise argparse.ArgumentTypeError(f"{text!r}: pass LABEL=FOLDER, e.g. 'LoRA r=8=runs/lora_r8'")
-    return label, Path(folder)
+        raise argparse.ArgumentTypeError(f"{text!r}: pass LABEL=FOLDER or LABEL=FOLDER@METHOD, e.g. "
+                                         f"'LoRA r=8=runs/lora_r8' or 'GiGPO=runs/cmp@GiGPO'")
+    folder, at, method = folder.partition("@")
+    return label, Path(folder), (method if at else None)
 
 
 def metrics_of(run_dir: Path, env: str, method: str, seed: str) -> list[dict]:
@@ -59,11 +63,15 @@ def main(argv=None) -> int:
           f"| last within {args.minutes:g} CPU-min: iteration, CPU-min, greedy |")
     print("| --- | --- | --- | --- | --- | --- |")
     curves, costs, start = {}, [], None
-    for label, run_dir in args.arms:
+    for label, run_dir, method in args.arms:
+        method = method or args.method
         result = json.loads((run_dir / "results.json").read_text())[args.env]
+        if method not in result["methods"]:
+            raise SystemExit(f"{run_dir}/results.json has no {method!r} runs for {args.env}; it has "
+                             f"{', '.join(result['methods'])}: name one with LABEL=FOLDER@METHOD or --method")
         start = result["warm_start"]["greedy"]["success"]
         finals, pooled = [], {"greedy": [0, 0], "sampled": [0, 0]}
-        for seed, curve in sorted(result["methods"][args.method].items()):
+        for seed, curve in sorted(result["methods"][method].items()):
             last = curve[-1]
             within = [p for p in curve if p["cpu_minutes"] <= args.minutes]
             budget = (f"{within[-1]['iteration']}, {within[-1]['cpu_minutes']:.1f}, "
@@ -77,15 +85,15 @@ def main(argv=None) -> int:
                 pooled[kind][1] += last[kind]["n"]
             curves.setdefault(label, []).append([(0.0, start)] + [(p["cpu_minutes"], p["greedy"]["success"])
                                                                   for p in curve])
-            rows = metrics_of(run_dir, args.env, args.method, seed)
+            rows = metrics_of(run_dir, args.env, method, seed)
             costs.append((label, seed, last, rows))
         print(f"| {label} | all {len(finals)} pooled | | {cell(*pooled['greedy'])} | {cell(*pooled['sampled'])} "
               f"| seeds {min(finals):.3f}–{max(finals):.3f} |")
 
     print("\n| arm | iteration | greedy per seed | greedy, seeds pooled (95% CI) | CPU-min per seed |")
     print("| --- | ---: | --- | --- | --- |")
-    for label, run_dir in args.arms:
-        result = json.loads((run_dir / "results.json").read_text())[args.env]["methods"][args.method]
+    for label, run_dir, method in args.arms:
+        result = json.loads((run_dir / "results.json").read_text())[args.env]["methods"][method or args.method]
         by_iteration: dict[int, list[dict]] = {}
         for _, curve in sorted(result.items()):
             for point in curve:
@@ -112,6 +120,17 @@ def main(argv=None) -> int:
               f"| {avg('timing/iteration'):.1f} | {avg('timing/generate'):.1f} | {avg('timing/annotate'):.1f} "
               f"| {avg('timing/update'):.1f} | {avg('actor/approx_kl'):.1e} | {avg('actor/grad_norm'):.3f} "
               f"| {mean(success[:3]):.3f} → {mean(success[-3:]):.3f} |")
+    step_groups = [(label, seed, rows) for label, seed, _, rows in costs
+                   if any("rollout/step_group_share" in r for r in rows)]
+    if step_groups:
+        print("\n| arm | seed | turns in a step group of 2+ (mean over iterations, first → last 3) "
+              "| mean step-group size (first → last 3) |")
+        print("| --- | --- | --- | --- |")
+        for label, seed, rows in step_groups:
+            share = [r["rollout/step_group_share"] for r in rows if "rollout/step_group_share" in r]
+            size = [r["rollout/step_group_size"] for r in rows if "rollout/step_group_size" in r]
+            print(f"| {label} | {seed} | {mean(share):.3f} ({mean(share[:3]):.3f} → {mean(share[-3:]):.3f}) "
+                  f"| {mean(size):.2f} ({mean(size[:3]):.2f} → {mean(size[-3:]):.2f}) |")
 
     if args.plot:
         import matplotlib
@@ -127,7 +146,8 @@ def main(argv=None) -> int:
         ax.axvline(args.minutes, color="grey", ls=":", lw=1)
         ax.set_xlabel("CPU-minutes of training")
         ax.set_ylabel("greedy held-out success")
-        ax.set_title(f"{args.env}, {args.method}: " + " vs ".join(curves))
+        methods = {method or args.method for _, _, method in args.arms}
+        ax.set_title(f"{args.env}, {methods.pop() + ': ' if len(methods) == 1 else ''}" + " vs ".join(curves))
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()

@@ -85,3 +85,30 @@ def test_extend_refuses_runs_the_earlier_results_do_not_hold(tmp_path):
         learning.earlier_results(args, tmp_path)
     args.methods, args.seeds = ["TRICO"], 1
     assert learning.earlier_results(args, tmp_path)["sokoban"]["methods"]["TRICO"] == {"0": []}
+
+
+def test_compare_learning_reads_several_methods_of_one_folder(tmp_path, capsys):
+    compare = load("compare_learning")
+
+    def point(iteration, cpu, successes):
+        row = {"success": successes / 8, "successes": successes, "n": 8}
+        return {"iteration": iteration, "cpu_minutes": cpu, "greedy": row, "sampled": row}
+
+    results = {"frozenlake": {"warm_start": {"greedy": {"success": 0.5}},
+                              "methods": {"GiGPO": {"0": [point(12, 2.0, 5), point(24, 4.5, 6)]},
+                                          "GRPO": {"0": [point(12, 1.5, 4)]}}}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    run = tmp_path / "runs" / "frozenlake_visual-GiGPO-seed0"
+    run.mkdir(parents=True)
+    rows = [{"rollout/step_group_share": share, "rollout/step_group_size": 2.0, "rollout/success": 0.5}
+            for share in (0.5, 0.5, 0.5, 1.0, 1.0, 1.0)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+
+    assert compare.main([f"GiGPO={tmp_path}@GiGPO", f"GRPO={tmp_path}@GRPO", "--minutes", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "| GiGPO | 0 | 24, 4.5 | 0.750 (" in out and "| 12, 2.0, 0.625 |" in out
+    assert "| GRPO | 0 | 12, 1.5 | 0.500 (" in out
+    assert "| GiGPO | 0 | 0.750 (0.500 → 1.000) | 2.00 (2.00 → 2.00) |" in out  # step groups: GiGPO only
+    assert "| GRPO | 0 | 0." not in out.split("turns in a step group")[1]
+    with pytest.raises(SystemExit, match="no 'PPO' runs for frozenlake; it has GiGPO, GRPO"):
+        compare.main([f"PPO={tmp_path}@PPO"])
