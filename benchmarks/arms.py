@@ -118,27 +118,10 @@ def main(argv=None) -> int:
             print(f"| {arm} | {seed} | {n} | " + " | ".join(cells) + " |")
 
     if args.plot:
-        import matplotlib
+        from compare_learning import plot_seed_curves  # benchmarks/ is on the path of a script run from it
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        if warm_band:
-            ax.axhspan(*warm_band, color="grey", alpha=0.15, label="warm start, 95% CI (first arm's)")
-        colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
-        for (arm, runs), color in zip(curves.items(), colors):
-            for i, curve in enumerate(runs):
-                ax.plot(*zip(*curve), marker="o", ms=3, color=color, alpha=0.8, label=arm if i == 0 else None)
-        ax.set_xlabel("CPU-minutes of training")
-        ax.set_ylabel("greedy held-out success")
-        ax.set_title(f"{args.env}, {args.method}: " + ", ".join(k.split(".")[-1] for k in args.keys))
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=110)
-        print(f"\nwrote {args.plot}")
+        plot_seed_curves(curves, args.plot, f"{args.env}, {args.method}: "
+                         + ", ".join(k.split(".")[-1] for k in args.keys), warm_band=warm_band)
     return 0
 
 

@@ -40,6 +40,38 @@ def metrics_of(run_dir: Path, env: str, method: str, seed: str) -> list[dict]:
     return [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
 
 
+def plot_seed_curves(curves: dict[str, list[list[tuple[float, float]]]], path: Path, title: str,
+                     warm_start: float | None = None, warm_band: tuple[float, float] | None = None,
+                     budget: float | None = None) -> None:
+    """Greedy held-out success against CPU-minutes, one colour per arm and one line per seed
+    (`curves`: arm label -> each seed's [(CPU-minutes, success)]), with the warm start as a line or a
+    95% band and the CPU budget as a vertical line; writes `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if warm_band:
+        ax.axhspan(*warm_band, color="grey", alpha=0.15, label="warm start, 95% CI (first arm's)")
+    for (label, runs), color in zip(curves.items(), COLORS):
+        for i, curve in enumerate(runs):
+            ax.plot(*zip(*curve), marker="o", ms=3, color=color, alpha=0.8, label=label if i == 0 else None)
+    if warm_start is not None:
+        ax.axhline(warm_start, color="grey", ls="--", lw=1, label="warm start")
+    if budget is not None:
+        ax.axvline(budget, color="grey", ls=":", lw=1)
+    ax.set_xlabel("CPU-minutes of training")
+    ax.set_ylabel("greedy held-out success")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"\nwrote {path}")
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
@@ -133,27 +165,9 @@ def main(argv=None) -> int:
                   f"| {mean(size):.2f} ({mean(size[:3]):.2f} → {mean(size[-3:]):.2f}) |")
 
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for (label, runs), color in zip(curves.items(), COLORS):
-            for i, curve in enumerate(runs):
-                ax.plot(*zip(*curve), marker="o", ms=3, color=color, alpha=0.8, label=label if i == 0 else None)
-        ax.axhline(start, color="grey", ls="--", lw=1, label="warm start")
-        ax.axvline(args.minutes, color="grey", ls=":", lw=1)
-        ax.set_xlabel("CPU-minutes of training")
-        ax.set_ylabel("greedy held-out success")
         methods = {method or args.method for _, _, method in args.arms}
-        ax.set_title(f"{args.env}, {methods.pop() + ': ' if len(methods) == 1 else ''}" + " vs ".join(curves))
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=110)
-        print(f"\nwrote {args.plot}")
+        plot_seed_curves(curves, args.plot, f"{args.env}, {methods.pop() + ': ' if len(methods) == 1 else ''}"
+                         + " vs ".join(curves), warm_start=start, budget=args.minutes)
     return 0
 
 

@@ -69,26 +69,10 @@ def main(argv=None) -> int:
         print(f"|  | mean of {len(finals)} | | {sum(finals) / len(finals):.3f} (seeds {min(finals):.3f}–{max(finals):.3f}) "
               f"| | |")
     if args.plot:
-        import matplotlib
+        from compare_learning import plot_seed_curves  # benchmarks/ is on the path of a script run from it
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for (k, runs), color in zip(sorted(curves.items()), ["tab:blue", "tab:orange", "tab:green", "tab:red"]):
-            for i, curve in enumerate(runs):
-                ax.plot(*zip(*curve), marker="o", ms=3, color=color, alpha=0.8,
-                        label=f"rollout.reuse_iterations={k}" if i == 0 else None)
-        ax.axvline(args.minutes, color="grey", ls=":", lw=1)
-        ax.set_xlabel("CPU-minutes of training")
-        ax.set_ylabel("greedy held-out success")
-        ax.set_title(f"{args.env}, {args.method}: rollout freshness")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=110)
-        print(f"\nwrote {args.plot}")
+        plot_seed_curves({f"rollout.reuse_iterations={k}": runs for k, runs in sorted(curves.items())}, args.plot,
+                         f"{args.env}, {args.method}: rollout freshness", budget=args.minutes)
     return 0
 
 
