@@ -87,7 +87,7 @@ def main(argv=None) -> int:
 
     from benchmarks.bench_memory import build_checkpoint
 
-    model, count = build_checkpoint(args.layers, Path(os.path.expanduser(args.cache)))
+    model, count = build_checkpoint(args.layers, args.cache)
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
     rows = []
     for way in WAYS:

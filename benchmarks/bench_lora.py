@@ -263,11 +263,7 @@ def main(argv=None) -> int:
         worker(Path(args.out), args.steps, json.loads(args.train_args))
         return 0
 
-    cache = Path(os.path.expanduser(args.cache))
-    cache.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    model, count = build_checkpoint(args.layers, cache)
-    print(f"checkpoint {model}: {count / 1e9:.3f} B parameters ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    model, count = build_checkpoint(args.layers, args.cache, log=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="vagen_bench_lora_"))
     print(f"records under {work}", file=sys.stderr)
     kls = {"off": [False], "on": [True], "both": [False, True]}[args.kl]

@@ -67,8 +67,12 @@ GIB = 2**30
 
 # -- the model ------------------------------------------------------------------------------------
 
-def build_checkpoint(layers: int, cache: Path) -> tuple[Path, int]:
-    """The checkpoint of `layers` text layers (built once under `cache`) and its parameter count."""
+def build_checkpoint(layers: int, cache: str | Path, log: bool = False) -> tuple[Path, int]:
+    """The checkpoint of `layers` text layers (built once under `cache`, `~` expanded) and its parameter
+    count; with `log`, says on stderr what it is and how long building or loading took."""
+    t0 = time.perf_counter()
+    cache = Path(os.path.expanduser(cache))
+    cache.mkdir(parents=True, exist_ok=True)
     out = cache / f"qwen2_5_vl-h896-l{layers}-v{VOCAB}-fp32"
     if not (out / "model.safetensors").exists() and not list(out.glob("model-*.safetensors")):
         import torch
@@ -100,6 +104,8 @@ def build_checkpoint(layers: int, cache: Path) -> tuple[Path, int]:
     for shard in out.glob("*.safetensors"):
         with safe_open(str(shard), "pt") as handle:
             count += sum(_numel(handle.get_slice(k).get_shape()) for k in handle.keys())
+    if log:
+        print(f"checkpoint {out}: {count / 1e9:.3f} B parameters ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     return out, count
 
 
@@ -272,11 +278,7 @@ def main(argv=None) -> int:
         worker(Path(args.out), args.whole, json.loads(args.train_args))
         return 0
 
-    cache = Path(os.path.expanduser(args.cache))
-    cache.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    model, count = build_checkpoint(args.layers, cache)
-    print(f"checkpoint {model}: {count / 1e9:.3f} B parameters ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    model, count = build_checkpoint(args.layers, args.cache, log=True)
     work = Path(tempfile.mkdtemp(prefix="vagen_bench_memory_"))
     results = {name: run_setting(name, *SETTINGS[name], model, work, kl=False, estimator=args.estimator)
                for name in args.settings}
