@@ -3,6 +3,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from scripted import ScriptedDecoder
 
 import envs_visual
 from envs_visual.base import PROMPT_FORMATS, format_response
@@ -218,25 +219,6 @@ def test_different_levels_get_different_reasoning():
     assert len(thoughts) > 40
 
 
-class ScriptedDecoder:
-    """A `vagen.decoding.Decoder` that answers each episode's turn k with its given ids (plus <|im_end|>)."""
-
-    def __init__(self, replies, im_end):
-        self.replies, self.im_end, self.calls = replies, im_end, 0
-
-    def start_rollout(self):
-        self.calls = 0
-
-    def any_rank(self, flag):
-        return flag
-
-    def generate(self, episodes, rows, sampling):
-        from vagen.decoding import Generated
-
-        self.calls += 1
-        return [Generated(self.replies[row][self.calls - 1] + [self.im_end]) for row in rows]
-
-
 @pytest.mark.parametrize("config,fixture", [("frozenlake_visual", "tiny_vl"), ("sokoban_text", "tiny_text")])
 def test_demo_episode_is_the_episode_rollout_builds(config, fixture, request):
     _, _, processor = request.getfixturevalue(fixture)
@@ -246,7 +228,7 @@ def test_demo_episode_is_the_episode_rollout_builds(config, fixture, request):
     demos = [d for d in collect_demos(cfg.env, "teacher", 40, cfg.rollout.max_turns)
              if len(d.responses) == cfg.rollout.max_turns][:2]
     episodes = [demo_episode(d, make_env(cfg.env), encoder) for d in demos]
-    decoder = ScriptedDecoder([[encoder.encode_text(r) for r in d.responses] for d in demos], encoder.im_end_id)
+    decoder = ScriptedDecoder(encoder, [d.responses for d in demos])
     played, _ = rollout(None, encoder, cfg, [d.seed for d in demos], 1, decoder=decoder)
     for ours, theirs in zip(episodes, played):
         assert ours.input_ids == theirs.input_ids

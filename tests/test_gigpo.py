@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from scripted import ScriptedDecoder
 
 import envs_visual
 from envs_visual.base import format_response
@@ -362,29 +363,6 @@ def test_manipulation_state_key_follows_the_objects_and_the_gripper():
 
 
 # ----------------------------------------------------------------------------- rollout and update
-
-
-class ScriptedDecoder:
-    """Answers each episode's turns from a script (row -> responses), in place of a model."""
-
-    def __init__(self, encoder, script):
-        self.encoder, self.script, self.turn = encoder, script, {}
-
-    def start_rollout(self):
-        self.turn = {}
-
-    def any_rank(self, flag):
-        return flag
-
-    def generate(self, episodes, rows, sampling):
-        from vagen.decoding import Generated
-
-        out = []
-        for row in rows:
-            k = self.turn.get(row, 0)
-            self.turn[row] = k + 1
-            out.append(Generated(self.encoder.encode_text(self.script[row][k]) + [self.encoder.im_end_id]))
-        return out
 
 
 def test_rollout_records_the_state_each_turn_started_from(tiny_text):

@@ -9,32 +9,10 @@ import math
 
 import pytest
 import torch
+from scripted import ScriptedDecoder
 
 from envs_visual.base import format_response
 from vagen.config import ConfigError, load_config
-from vagen.decoding import Generated
-
-
-class ScriptedDecoder:
-    """Answers each episode's turns from a script; records the prompt (ids) each turn was generated from."""
-
-    def __init__(self, encoder, script):
-        self.encoder, self.script, self.turn, self.prompts = encoder, script, {}, {}
-
-    def start_rollout(self):
-        self.turn = {}
-
-    def any_rank(self, flag):
-        return flag
-
-    def generate(self, episodes, rows, sampling):
-        out = []
-        for row, episode in zip(rows, episodes):
-            k = self.turn.get(row, 0)
-            self.turn[row] = k + 1
-            self.prompts.setdefault(row, []).append(list(episode.input_ids))
-            out.append(Generated(self.encoder.encode_text(self.script[row][k]) + [self.encoder.im_end_id]))
-        return out
 
 
 def _scripted(encoder, config, overrides, script, seed=3):
