@@ -455,7 +455,8 @@ def plan(state: dict) -> list[str]:
 def teacher_action(state: dict, rng: np.random.Generator) -> str:
     """A deliberately imperfect teacher: the expert's next action with its millimetres jittered
     (sd 8 mm, and one time in four a coordinate off by 40 mm), so some of its grasps, placements and
-    pushes miss and it has to recover on later turns."""
+    pushes miss and it has to recover on later turns. It writes whole millimetres, as the observation
+    lists the centres: tenths would be noise for a student to imitate."""
     wanted = plan(state)
     if not wanted:
         return format_action("pick", 0, 0, CUBE / 2)
@@ -467,7 +468,7 @@ def teacher_action(state: dict, rng: np.random.Generator) -> str:
             noisy[k] += float(rng.choice([-40.0, 40.0]))
     for k in range(2, len(noisy), 3):
         noisy[k] = values[k]  # heights: the teacher reads those right
-    return format_action(name, *noisy)
+    return format_action(name, *(round(v) for v in noisy))
 
 
 # -- environment ---------------------------------------------------------------------------------

@@ -196,6 +196,7 @@ def test_the_expert_recovers_and_the_teacher_is_imperfect():
     expert = plan(state)[0]
     assert sum(a == expert for a in draws) < 20
     assert len({a.split("(")[0] for a in draws}) == 1  # the same primitive as the expert's
+    assert not any("." in a for a in draws)  # whole millimetres, as the observation lists them
 
 
 def play_expert_from_here(env, turns=4):
