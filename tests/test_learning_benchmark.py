@@ -112,3 +112,22 @@ def test_compare_learning_reads_several_methods_of_one_folder(tmp_path, capsys):
     assert "| GRPO | 0 | 0." not in out.split("turns in a step group")[1]
     with pytest.raises(SystemExit, match="no 'PPO' runs for frozenlake; it has GiGPO, GRPO"):
         compare.main([f"PPO={tmp_path}@PPO"])
+
+
+def test_targets_are_checked_only_for_runs_of_the_budget_they_were_set_for():
+    learning = _learning()
+
+    def curve(cpu, successes):  # 8 levels: the teacher solves 4, so +0.15 needs 0.65 and the floor 0.90
+        row = {"success": successes / 8, "successes": successes, "n": 8}
+        return [{"iteration": 10, "cpu_minutes": cpu, "greedy": row, "sampled": row}]
+
+    def results(cpu):
+        return {"frozenlake": {"baselines": {"teacher": {"success": 0.5}},
+                               "methods": {"TRICO": {"0": curve(cpu, 8)}, "GRPO": {"0": curve(cpu + 1, 6)}}}}
+
+    assert learning.check_targets(results(6.0)) == [
+        "targets not checked: they are set for 30 CPU-minutes of training and these runs trained for 6.0-7.0; "
+        "compare methods with benchmarks/compare_learning.py"]
+    lines = learning.check_targets(results(30.0))
+    assert "frozenlake TRICO: final 1.000 vs teacher 0.500 + 0.15 and >= 0.90: PASS" in lines
+    assert "frozenlake GRPO: final 0.750 vs teacher 0.500 + 0.15 and >= 0.90: FAIL" in lines
