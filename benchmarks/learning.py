@@ -2,7 +2,7 @@
 
 From the SFT warm start on the teacher's demonstrations, trains TRICO (turn_gae + entropy token
 selection), PPO (gae, all tokens) and GRPO (and, when named in `--methods`, GiGPO on the whole history
-and on per-turn samples with a 2-turn window) for `--minutes` CPU-minutes each (per training seed),
+and on per-turn samples with a one-turn window) for `--minutes` CPU-minutes each (per training seed),
 and a control that spends the same CPU time on more SFT on the teacher's data. Every method is
 evaluated on the same distinct held-out levels (greedy and sampled, 95% Wilson intervals) next to
 the teacher, the solver, a random policy and the best blind plan (`vagen.warmstart.demos.blind_success`).
