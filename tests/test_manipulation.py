@@ -194,7 +194,12 @@ def test_the_expert_recovers_and_the_teacher_is_imperfect():
     draws = [teacher_action(state, rng) for _ in range(200)]
     assert all(parse_actions(a, 1) == ([a], True) for a in draws)
     expert = plan(state)[0]
-    assert sum(a == expert for a in draws) < 20
+
+    def numbers(action):
+        return np.array([float(v) for v in action[action.index("(") + 1:-1].split(",")])
+
+    # the expert's millimetres to within rounding on fewer than one draw in ten
+    assert sum(np.abs(numbers(a) - numbers(expert)).max() <= 0.5 for a in draws) < 20
     assert len({a.split("(")[0] for a in draws}) == 1  # the same primitive as the expert's
     assert not any("." in a for a in draws)  # whole millimetres, as the observation lists them
 
