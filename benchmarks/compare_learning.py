@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     print(f"| arm | seed | last evaluation: iteration, CPU-min | greedy (95% CI) | sampled (95% CI) "
           f"| last within {args.minutes:g} CPU-min: iteration, CPU-min, greedy |")
     print("| --- | --- | --- | --- | --- | --- |")
-    curves, costs, start = {}, [], None
+    curves, costs, start, runs_of = {}, [], None, []
     for label, run_dir, method in args.arms:
         method = method or args.method
         result = json.loads((run_dir / "results.json").read_text())[args.env]
@@ -102,8 +102,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"{run_dir}/results.json has no {method!r} runs for {args.env}; it has "
                              f"{', '.join(result['methods'])}: name one with LABEL=FOLDER@METHOD or --method")
         start = result["warm_start"]["greedy"]["success"]
+        runs_of.append((label, result["methods"][method]))
         finals, pooled = [], {"greedy": [0, 0], "sampled": [0, 0]}
-        for seed, curve in sorted(result["methods"][method].items()):
+        for seed, curve in sorted(runs_of[-1][1].items()):
             last = curve[-1]
             within = [p for p in curve if p["cpu_minutes"] <= args.minutes]
             budget = (f"{within[-1]['iteration']}, {within[-1]['cpu_minutes']:.1f}, "
@@ -124,8 +125,7 @@ def main(argv=None) -> int:
 
     print("\n| arm | iteration | greedy per seed | greedy, seeds pooled (95% CI) | CPU-min per seed |")
     print("| --- | ---: | --- | --- | --- |")
-    for label, run_dir, method in args.arms:
-        result = json.loads((run_dir / "results.json").read_text())[args.env]["methods"][method or args.method]
+    for label, result in runs_of:
         by_iteration: dict[int, list[dict]] = {}
         for _, curve in sorted(result.items()):
             for point in curve:
