@@ -13,6 +13,7 @@ seed's curve.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -20,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
+COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+          "tab:cyan", "tab:gray"]
 
 
 def arm(text: str) -> tuple[str, Path, str | None]:
@@ -54,7 +56,7 @@ def plot_seed_curves(curves: dict[str, list[list[tuple[float, float]]]], path: P
     fig, ax = plt.subplots(figsize=(7, 4))
     if warm_band:
         ax.axhspan(*warm_band, color="grey", alpha=0.15, label="warm start, 95% CI (first arm's)")
-    for (label, runs), color in zip(curves.items(), COLORS):
+    for (label, runs), color in zip(curves.items(), itertools.cycle(COLORS)):  # every arm drawn, colours reused past ten
         for i, curve in enumerate(runs):
             ax.plot(*zip(*curve), marker="o", ms=3, color=color, alpha=0.8, label=label if i == 0 else None)
     if warm_start is not None:

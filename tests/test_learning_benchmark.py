@@ -131,3 +131,16 @@ def test_targets_are_checked_only_for_runs_of_the_budget_they_were_set_for():
     lines = learning.check_targets(results(30.0))
     assert "frozenlake TRICO: final 1.000 vs teacher 0.500 + 0.15 and >= 0.90: PASS" in lines
     assert "frozenlake GRPO: final 0.750 vs teacher 0.500 + 0.15 and >= 0.90: FAIL" in lines
+
+
+def test_the_seed_plot_draws_every_arm_even_past_its_palette(tmp_path):
+    compare = load("compare_learning")
+    import matplotlib.pyplot as plt
+
+    curves = {f"arm {i}": [[(0.0, 0.5), (2.0, 0.05 * i)], [(0.0, 0.5), (2.5, 0.04 * i)]]
+              for i in range(len(compare.COLORS) + 2)}
+    compare.plot_seed_curves(curves, tmp_path / "plot.png", "title", warm_start=0.5, budget=2.0)
+    ax = plt.gcf().axes[0]
+    assert [line.get_label() for line in ax.lines if not line.get_label().startswith("_")][:len(curves)] == list(curves)
+    assert len(ax.lines) == 2 * len(curves) + 2  # every seed's curve, the warm start and the budget
+    assert (tmp_path / "plot.png").stat().st_size > 0
