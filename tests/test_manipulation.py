@@ -12,6 +12,7 @@ import envs_visual
 from envs_visual.base import PROMPT_FORMATS, format_response, parse_response
 from envs_visual.manipulation import (
     TASKS,
+    _split,
     format_action,
     generate_level,
     parse_actions,
@@ -193,13 +194,9 @@ def test_the_expert_recovers_and_the_teacher_is_imperfect():
     rng = np.random.default_rng(0)
     draws = [teacher_action(state, rng) for _ in range(200)]
     assert all(parse_actions(a, 1) == ([a], True) for a in draws)
-    expert = plan(state)[0]
-
-    def numbers(action):
-        return np.array([float(v) for v in action[action.index("(") + 1:-1].split(",")])
-
+    expert = np.array(_split(plan(state)[0])[1])
     # the expert's millimetres to within rounding on fewer than one draw in ten
-    assert sum(np.abs(numbers(a) - numbers(expert)).max() <= 0.5 for a in draws) < 20
+    assert sum(np.abs(np.array(_split(a)[1]) - expert).max() <= 0.5 for a in draws) < 20
     assert len({a.split("(")[0] for a in draws}) == 1  # the same primitive as the expert's
     assert not any("." in a for a in draws)  # whole millimetres, as the observation lists them
 
