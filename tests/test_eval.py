@@ -8,7 +8,7 @@ from PIL import Image
 import envs_visual
 from vagen.config import load_config
 from vagen.episode import ChatEncoder, eval_seeds
-from vagen.eval import evaluate, main, play_reference, resolve_checkpoint
+from vagen.eval import evaluate, main, play_reference, resolve_checkpoint, summarize
 from vagen.models import load_policy, resolve_model_path
 
 
@@ -88,7 +88,7 @@ def test_sampled_evaluation_is_seeded_and_leaves_the_callers_random_state(model_
 
 
 def test_videos_and_results_show_the_grades_of_the_state_descriptions():
-    from vagen.eval import episode_record, summarize, think_with_scores
+    from vagen.eval import episode_record, think_with_scores
 
     info = {"parsed": {"think": "a b c", "observation": "The box is above me.", "reasoning": "Go up.",
                        "prediction": "The box is gone."}, "grounding_score": 0.5, "worldmodel_score": None}
@@ -101,3 +101,94 @@ def test_videos_and_results_show_the_grades_of_the_state_descriptions():
     assert record["grounding_score"] == 0.75 and record["worldmodel_score"] is None
     summary = summarize([record, {**record, "grounding_score": 0.25}])
     assert summary["grounding_score"] == 0.5 and summary["worldmodel_score"] is None
+
+
+RUN_SETTINGS = ["rollout.max_turns=1", "rollout.max_new_tokens=4", "model.dtype=bfloat16",
+                "train.deepspeed_config=deepspeed/zero2_bf16.json", "env.params.size=3"]
+
+
+@pytest.fixture
+def trained_run(tiny_vl, tmp_path):
+    """A run directory as training leaves it: the resolved config.yaml and a checkpoint (the tiny VLM)."""
+    from vagen.config import to_yaml
+
+    path, _, _ = tiny_vl
+    run = tmp_path / "runs" / "frozenlake_visual-1"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    (run / "checkpoints" / "step_2" / "actor").symlink_to(path, target_is_directory=True)
+    (run / "checkpoints" / "latest").write_text("step_2")
+    (run / "config.yaml").write_text(to_yaml(load_config("frozenlake_visual", RUN_SETTINGS)))
+    return run
+
+
+@pytest.fixture
+def loaded_dtypes(monkeypatch):
+    """The dtype of every load_policy call vagen.eval makes."""
+    import vagen.models
+
+    dtypes = []
+    real = vagen.models.load_policy
+    monkeypatch.setattr(vagen.models, "load_policy", lambda path, dtype="float32", *a: dtypes.append(dtype)
+                        or real(path, dtype, *a))
+    return dtypes
+
+
+def test_a_run_is_evaluated_with_its_own_config(trained_run, tmp_path, capsys, loaded_dtypes):
+    out = tmp_path / "eval"
+    assert main(["--checkpoint", str(trained_run), "--episodes", "2", "--videos", "0", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert f"(config frozenlake_visual: {trained_run / 'config.yaml'})" in printed.out
+    assert "warning" not in printed.err
+    result = json.loads((out / "results.json").read_text())
+    assert [r["turns"] for r in result["episodes"]] == [1, 1]  # the run's rollout.max_turns=1, not the config's 3
+    # its 4 tokens per turn (+ the closing <|im_end|>), not the config's 64
+    assert max(r["response_length"] for r in result["episodes"]) <= 5
+    assert loaded_dtypes == ["bfloat16"]
+    # the run's 3x3 lake: the solver's episodes are those of the run's levels
+    cfg = load_config("frozenlake_visual", RUN_SETTINGS)
+    assert result["reference"]["solver"] == summarize([play_reference(cfg, s, "solver") for s in eval_seeds(2)])
+
+
+def test_an_explicit_config_wins_over_the_runs_and_says_what_differs(trained_run, tmp_path, capsys, loaded_dtypes):
+    step = trained_run / "checkpoints" / "step_2"
+    assert main(["--config", "frozenlake_visual", "--checkpoint", str(step), "--episodes", "1", "--videos", "0",
+                 "--out", str(tmp_path / "eval"), "rollout.max_new_tokens=4"]) == 0
+    err = capsys.readouterr().err
+    warning = next(line for line in err.splitlines() if line.startswith("warning:"))
+    assert warning == (f"warning: --config frozenlake_visual differs from the run's config {trained_run / 'config.yaml'} "
+                       "in rollout.max_turns=3 (the run: 1), model.dtype=float32 (the run: bfloat16), "
+                       "env.params={'size': 4, 'cell_size': 28} (the run: {'size': 3, 'cell_size': 28}); evaluating "
+                       "with --config's (leave --config out to evaluate as the run was trained)")
+    assert loaded_dtypes == ["float32"]
+
+
+def test_the_runs_config_itself_raises_no_warning(trained_run, tmp_path):
+    from vagen.eval import choose_config
+
+    actor = resolve_checkpoint(str(trained_run / "checkpoints" / "step_2" / "actor"))
+    cfg, source, warning = choose_config(str(trained_run / "config.yaml"), "x", actor, [])
+    assert warning is None and cfg.rollout.max_turns == 1 and source == str(trained_run / "config.yaml")
+
+
+def test_the_run_directory_is_found_from_each_checkpoint_form(trained_run, tmp_path):
+    from vagen.eval import run_dir_of
+
+    for given in (trained_run, trained_run / "checkpoints" / "step_2", trained_run / "checkpoints" / "step_2" / "actor"):
+        assert run_dir_of(resolve_checkpoint(str(given))) == trained_run
+    merged = trained_run / "merged"  # where `python -m vagen.merge` puts a LoRA run's whole checkpoint
+    merged.symlink_to(trained_run / "checkpoints" / "step_2" / "actor", target_is_directory=True)
+    assert run_dir_of(resolve_checkpoint(str(merged))) == trained_run
+    (tmp_path / "config.yaml").write_text("")  # a config.yaml without checkpoints/ is no run
+    outside = tmp_path / "hf"
+    outside.symlink_to(trained_run / "checkpoints" / "step_2" / "actor", target_is_directory=True)
+    assert run_dir_of(resolve_checkpoint(str(outside))) is None
+
+
+def test_a_checkpoint_outside_a_run_needs_a_config(tiny_vl, capsys):
+    path, _, _ = tiny_vl
+    assert main(["--checkpoint", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: --checkpoint {str(path)!r} is not inside a run directory")
+    assert err.rstrip().endswith("pass the config it plays, e.g. --config sokoban_visual")
+    assert main(["--checkpoint", "assets:frozenlake_text"]) == 2  # a shipped warm start: its card names the config
+    assert capsys.readouterr().err.rstrip().endswith("e.g. --config frozenlake_text")

@@ -1,10 +1,15 @@
 """Evaluate a checkpoint on held-out level seeds, beside a random policy and the optimal solver.
 
-    python -m vagen.eval --config sokoban_visual --checkpoint runs/<run>/checkpoints/step_N \\
-        [--episodes 128] [--videos 8] [--out DIR] [section.key=value ...]
-    deepspeed --num_gpus 2 vagen/eval.py --config ... --checkpoint ...   (episodes split across ranks)
+    python -m vagen.eval --checkpoint runs/<run> [--episodes 128] [--videos 8] [--out DIR] [section.key=value ...]
+    python -m vagen.eval --checkpoint runs/<run>/checkpoints/step_N ...
+    deepspeed --num_gpus 2 vagen/eval.py --checkpoint runs/<run>   (episodes split across ranks)
 
     python -m vagen.eval --config sokoban_visual --checkpoint assets:sokoban_visual   (a shipped warm start)
+
+A checkpoint inside a run directory is evaluated with the run's own config (`runs/<run>/config.yaml`:
+its tokens per turn, turns, dtype, environment), the settings it was trained with. `--config` replaces
+it, with a warning naming what differs from the run's; a checkpoint outside a run (a shipped warm start,
+a Hugging Face checkpoint directory) needs `--config`.
 
 Writes `results.json` and a Markdown table `results.md` into the output directory (default:
 `<checkpoint>/eval`, for a shipped warm start `<train.run_dir>/eval/NAME`), and episode videos
@@ -16,6 +21,7 @@ Seeds are the evaluation seeds (>= 1e9), disjoint from every training seed. Deco
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -274,9 +280,74 @@ def resolve_checkpoint(path: str) -> Path:
     return p
 
 
+def run_dir_of(checkpoint: Path) -> Path | None:
+    """The run directory a resolved checkpoint lies in (`runs/<run>/checkpoints/step_N/actor`, or a checkpoint
+    written beside them such as `runs/<run>/merged`), None outside any run. A run directory holds the run's
+    `config.yaml` and its `checkpoints/`."""
+    for folder in [checkpoint, *list(checkpoint.parents)[:3]]:
+        if (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir():
+            return folder
+    return None
+
+
+# What decides how a checkpoint plays: a difference here changes the scores, not just the bookkeeping.
+COMPARED_KEYS = ("rollout.max_new_tokens", "rollout.max_turns", "model.dtype")
+
+
+def config_differences(cfg, run_cfg) -> list[str]:
+    """`key value (the run: value)` for each of COMPARED_KEYS and env.* where `cfg` and `run_cfg` differ."""
+    keys = [*COMPARED_KEYS, *(f"env.{f.name}" for f in dataclasses.fields(cfg.env))]
+    out = []
+    for key in keys:
+        section, name = key.split(".")
+        mine, theirs = getattr(getattr(cfg, section), name), getattr(getattr(run_cfg, section), name)
+        if mine != theirs:
+            out.append(f"{key}={mine} (the run: {theirs})")
+    return out
+
+
+def choose_config(config: str | None, checkpoint_arg: str, checkpoint: Path, overrides: list[str]):
+    """(config, where it came from, warning or None) for evaluating `checkpoint`: the run's own config.yaml
+    when the checkpoint lies in a run directory, `config` when given (a warning names what differs from the
+    run's), a ConfigError when neither exists."""
+    from vagen.config import ConfigError, load_config
+
+    run = run_dir_of(checkpoint)
+    # model.path names the checkpoint evaluated, so a run whose starting checkpoint has moved still loads
+    run_cfg = load_config(str(run / "config.yaml"), [f"model.path={checkpoint}", *overrides]) if run else None
+    if config is None:
+        if run_cfg is None:
+            raise ConfigError(f"--checkpoint {checkpoint_arg!r} is not inside a run directory (none of {checkpoint} "
+                              f"and its parents holds a config.yaml beside checkpoints/), so there is no run config "
+                              f"to evaluate it with; pass the config it plays, e.g. --config "
+                              f"{_suggested_config(checkpoint)}")
+        return run_cfg, str(run / "config.yaml"), None
+    cfg = load_config(config, overrides)
+    warning = None
+    if run_cfg is not None:
+        differences = config_differences(cfg, run_cfg)
+        if differences:
+            warning = (f"warning: --config {config} differs from the run's config {run / 'config.yaml'} in "
+                       f"{', '.join(differences)}; evaluating with --config's (leave --config out to evaluate "
+                       f"as the run was trained)")
+    return cfg, config, warning
+
+
+def _suggested_config(checkpoint: Path) -> str:
+    """The config a shipped warm start's card names, else a config name to show as an example."""
+    card = checkpoint / "card.json"
+    if card.is_file():
+        name = json.loads(card.read_text()).get("config")
+        if isinstance(name, str):
+            return name
+    return "sokoban_visual"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", default=None,
+                        help="config name or YAML path; default for a checkpoint inside a run directory: the run's "
+                             "own config.yaml (required otherwise)")
     parser.add_argument("--checkpoint", required=True,
                         help="run dir, checkpoints/step_N, a shipped warm start assets:NAME, or a HF checkpoint dir")
     parser.add_argument("--episodes", type=int, default=None, help="held-out episodes (default eval.episodes)")
@@ -286,10 +357,14 @@ def main(argv=None) -> int:
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    from vagen.config import load_config_or_exit
+    from vagen.config import ConfigError
 
-    cfg = load_config_or_exit(args.config, args.overrides)
     checkpoint = resolve_checkpoint(args.checkpoint)
+    try:
+        cfg, source, warning = choose_config(args.config, args.checkpoint, checkpoint, args.overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
     from vagen.distributed import init_distributed
     from vagen.episode import ChatEncoder
     from vagen.models import load_policy
@@ -307,7 +382,11 @@ def main(argv=None) -> int:
         out = checkpoint.parent / "eval"
     episodes = args.episodes if args.episodes is not None else cfg.eval.episodes
     videos = args.videos if args.videos is not None else cfg.eval.videos
-    print(f"evaluating {checkpoint} on {episodes} held-out {cfg.env.name} episodes (config {cfg.name})", flush=True)
+    if rank == 0:
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+        print(f"evaluating {checkpoint} on {episodes} held-out {cfg.env.name} episodes (config {cfg.name}: {source})",
+              flush=True)
     encoder = ChatEncoder(processor)
     decoder = None
     if cfg.rollout.backend == "vllm":  # an engine over the evaluated checkpoint itself, on each rank
