@@ -2,13 +2,18 @@
 happened: the same metrics and the same final parameters as one never interrupted."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from child_env import child_env
 from safetensors.torch import load_file
+
+from vagen.config import load_config
+from vagen.run import ResumeError, check_resume_layout, find_checkpoint, saved_layout
 
 WORKER = Path(__file__).parent / "kill_worker.py"
 RUN = ["--config", "sokoban_text", "train.iterations=5", "train.save_every=1", "rollout.env_groups=2",
@@ -71,3 +76,94 @@ def test_keep_checkpoints_keeps_the_newest(tmp_path, model_cache):
     checkpoints = tmp_path / "kept" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_2", "step_3"]
     assert (checkpoints / "latest").read_text() == "step_3"
+
+
+# -- which run train.resume=auto picks, and on how many ranks ----------------------------------------------
+
+def _checkpoint(run: Path, step: int, **state) -> Path:
+    """A complete checkpoint as save_checkpoint leaves it (the files find_checkpoint reads)."""
+    ckpt = run / "checkpoints" / f"step_{step}"
+    (ckpt / "deepspeed" / "actor").mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"iteration": step - 1, **state}))
+    (run / "checkpoints" / "latest").write_text(ckpt.name)
+    return ckpt
+
+
+def _age(run: Path, seconds: float) -> None:
+    latest = run / "checkpoints" / "latest"
+    mtime = latest.stat().st_mtime - seconds
+    os.utime(latest, (mtime, mtime))
+
+
+def test_resume_auto_with_a_run_name_resumes_that_run_and_says_so(tmp_path, capsys):
+    exp = _checkpoint(tmp_path / "exp", 3)
+    _checkpoint(tmp_path / "exp", 2)  # an older checkpoint of the same run: latest names step_2 now
+    (tmp_path / "exp" / "checkpoints" / "latest").write_text("step_3")
+    _checkpoint(tmp_path / "exp2", 7)  # newer runs: one whose name starts with "exp", one of the config
+    _checkpoint(tmp_path / "sokoban_text-20300101-000000", 9)
+    _age(tmp_path / "exp", 100)
+    cfg = load_config("sokoban_text", [f"train.run_dir={tmp_path}", "train.run_name=exp", "train.resume=auto"])
+    assert find_checkpoint(cfg) == exp
+    out = capsys.readouterr().out
+    assert out == (f"train.resume=auto: resuming run 'exp' (train.run_name) from its latest checkpoint step_3 "
+                   f"({exp})\n")
+
+
+def test_resume_auto_with_a_run_name_that_has_no_checkpoint_starts_that_run(tmp_path, capsys):
+    _checkpoint(tmp_path / "sokoban_text-20300101-000000", 9)  # never taken for another name
+    (tmp_path / "fresh" / "checkpoints" / "step_1.tmp").mkdir(parents=True)  # killed before its first checkpoint
+    for name, why in (("fresh", "it has no complete checkpoint yet"),
+                      ("absent", f"there is no run of that name under {tmp_path}")):
+        cfg = load_config("sokoban_text", [f"train.run_dir={tmp_path}", f"train.run_name={name}",
+                                           "train.resume=auto"])
+        assert find_checkpoint(cfg) is None
+        assert capsys.readouterr().out == (f"train.resume=auto: nothing to resume for train.run_name={name!r}: "
+                                           f"{why}; starting run {name!r} from iteration 0\n")
+
+
+def test_resume_auto_without_a_run_name_takes_the_newest_run_the_config_named(tmp_path, capsys):
+    older = _checkpoint(tmp_path / "sokoban_text-20300101-000000", 4)
+    newer = _checkpoint(tmp_path / "sokoban_text-20300102-000000", 2)
+    _checkpoint(tmp_path / "sokoban_text-lr3", 5)  # named by its user: resumed only by train.run_name
+    _checkpoint(tmp_path / "sokoban_text_big-20300103-000000", 5)  # another config
+    _age(older.parent.parent, 100)
+    cfg = load_config("sokoban_text", [f"train.run_dir={tmp_path}", "train.resume=auto"])
+    assert find_checkpoint(cfg) == newer
+    out = capsys.readouterr().out
+    assert out.startswith("train.resume=auto: no train.run_name, so resuming the run of config 'sokoban_text' "
+                          f"whose checkpoint is newest, 'sokoban_text-20300102-000000', from step_2 ({newer}); "
+                          "1 older run(s) of this config left alone"), out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cfg = load_config("sokoban_text", [f"train.run_dir={empty}", "train.resume=auto"])
+    assert find_checkpoint(cfg) is None
+    assert "no run of config 'sokoban_text' (sokoban_text-<date>-<time>) with a complete checkpoint" in \
+        capsys.readouterr().out
+
+
+def test_zero_1_to_3_states_on_another_rank_count_or_stage_are_refused_with_what_was_saved(tmp_path, capsys):
+    zero3 = ["train.deepspeed_config=deepspeed/zero3_fp32.json"]
+    cfg = load_config("sokoban_text", zero3)
+    ckpt = _checkpoint(tmp_path / "run", 2, ranks=2, zero_stage=3)
+    check_resume_layout(ckpt, cfg, 2)  # as saved
+    with pytest.raises(ResumeError) as err:
+        check_resume_layout(ckpt, cfg, 1)
+    message = str(err.value)
+    assert f"checkpoint {ckpt} was saved on 2 rank(s) with ZeRO-3" in message
+    assert "this run has 1 rank(s)" in message and "Resume on 2 rank(s) (deepspeed --num_gpus 2" in message
+    assert f"model.path={ckpt / 'actor'} model.critic_path={ckpt / 'critic'} train.resume=null" in message
+    with pytest.raises(ResumeError, match=r"holds ZeRO-3 engine states, and this run asks for ZeRO-0 \(train"):
+        check_resume_layout(ckpt, load_config("sokoban_text"), 2)
+    # a checkpoint written before the layout was recorded: read from DeepSpeed's file names
+    old = _checkpoint(tmp_path / "old", 1)
+    for rank in range(4):
+        (old / "deepspeed" / "actor" / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
+    assert saved_layout(old) == (4, 2)
+    zero2 = load_config("sokoban_text", ["train.deepspeed_config=deepspeed/zero2_bf16.json", "model.dtype=bfloat16"])
+    with pytest.raises(ResumeError, match=r"saved on 4 rank\(s\) with ZeRO-2"):
+        check_resume_layout(old, zero2, 8)
+    zero0 = _checkpoint(tmp_path / "zero0", 1, ranks=2, zero_stage=0)
+    check_resume_layout(zero0, load_config("sokoban_text"), 1)
+    assert capsys.readouterr().out == (
+        "train.resume: step_1 was saved on 2 rank(s) and resumes on 1: ZeRO-0 keeps the whole optimizer state "
+        "on every rank, so it loads as saved (batches are shared out anew)\n")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -58,22 +59,34 @@ class RunDir:
     # -- creation and resuming ------------------------------------------------------------------------
     @classmethod
     def create(cls, cfg: Config, dist: Dist) -> RunDir:
-        """A new run directory, or the one being resumed (`train.resume=auto|PATH`)."""
+        """A new run directory, or the one being resumed (`train.resume=auto|PATH`). A checkpoint whose
+        engine states cannot be loaded on this many ranks stops every rank here, before any work."""
         resume_from = None
         path = None
         first = None
+        refusal = None
         if dist.rank == 0:
-            resume_from = find_checkpoint(cfg)
-            if resume_from is not None:
+            try:
+                resume_from = find_checkpoint(cfg)
+                if resume_from is not None:
+                    check_resume_layout(resume_from, cfg, dist.world_size)
+            except ResumeError as err:
+                refusal = str(err)
+            if refusal is None and resume_from is not None:
                 path = resume_from.parent.parent
                 first = json.loads((resume_from / "trainer_state.json").read_text())["iteration"] + 1
                 forget_after(path, first)
-            else:
+            elif refusal is None:
                 name = cfg.train.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
                 path = Path(cfg.train.run_dir) / name
                 path.mkdir(parents=True, exist_ok=cfg.train.run_name is not None)
-            (path / "config.yaml").write_text(to_yaml(cfg))
-        path, resume_from = broadcast_object((path, resume_from), dist)
+                if cfg.train.resume == "auto":  # a run killed before its first checkpoint starts over
+                    forget_after(path, 0)
+            if refusal is None:
+                (path / "config.yaml").write_text(to_yaml(cfg))
+        path, resume_from, refusal = broadcast_object((path, resume_from, refusal), dist)
+        if refusal is not None:
+            raise SystemExit(f"refused: {refusal}" if dist.rank == 0 else 1)
         run = cls(Path(path), dist)
         run.resume_from = resume_from
         if run.is_main:  # a resumed run continues its tracker runs from `first`
@@ -235,7 +248,10 @@ def save_checkpoint(out: Path, it: int, actor_engine, critic_engine, processor, 
             engine.save_checkpoint(str(tmp / "deepspeed"), tag=name, exclude_frozen_parameters=_has_frozen(engine))
     barrier(dist)  # every rank's states are written
     if dist.rank == 0:
-        _write_atomically(tmp / "trainer_state.json", json.dumps({"iteration": it, **(trainer_state or {})}))
+        # the rank count and ZeRO stage decide where the engine states can be loaded (check_resume_layout)
+        layout = {"ranks": dist.world_size, "zero_stage": actor_engine.zero_optimization_stage()}
+        _write_atomically(tmp / "trainer_state.json",
+                          json.dumps({"iteration": it, **layout, **(trainer_state or {})}))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -249,31 +265,124 @@ def save_checkpoint(out: Path, it: int, actor_engine, critic_engine, processor, 
     barrier(dist)
 
 
+class ResumeError(ValueError):
+    """`train.resume` names a checkpoint this run cannot continue."""
+
+
+def _latest(run: Path) -> Path:
+    return run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+
+
 def find_checkpoint(cfg: Config) -> Path | None:
-    """The checkpoint directory `train.resume` points at: a path, or with `auto` the latest complete
-    checkpoint of the newest run of this config (or of `train.run_name`)."""
+    """The checkpoint directory `train.resume` points at, and a line on stdout saying which and why.
+
+    `PATH`: a checkpoint directory, or a run directory's latest checkpoint. `auto` with `train.run_name`:
+    the latest checkpoint of the run of that name, never another run's (none yet: a new run of that
+    name). `auto` without it: the latest checkpoint of the newest run that this config named itself
+    (`<config>-<date>-<time>`); runs given names of their own are left alone."""
     resume = cfg.train.resume
     if not resume:
         return None
     if resume != "auto":
         path = Path(resume)
         if (path / "checkpoints" / "latest").exists():
-            path = path / "checkpoints" / (path / "checkpoints" / "latest").read_text().strip()
+            path = _latest(path)
         if not (path / "trainer_state.json").exists():
             raise FileNotFoundError(
                 f"train.resume={resume!r}: no checkpoint there (expected trainer_state.json in a "
                 f"runs/<run>/checkpoints/step_N directory, or a run directory with checkpoints/latest)"
             )
+        print(f"train.resume={resume}: resuming from checkpoint {path.name} ({path})", flush=True)
         return path
     root = Path(cfg.train.run_dir)
-    prefix = cfg.train.run_name or f"{cfg.name}-"
+    if cfg.train.run_name is not None:
+        run = root / cfg.train.run_name
+        if (run / "checkpoints" / "latest").exists():
+            ckpt = _latest(run)
+            print(f"train.resume=auto: resuming run {run.name!r} (train.run_name) from its latest checkpoint "
+                  f"{ckpt.name} ({ckpt})", flush=True)
+            return ckpt
+        why = "it has no complete checkpoint yet" if run.exists() else f"there is no run of that name under {root}"
+        print(f"train.resume=auto: nothing to resume for train.run_name={run.name!r}: {why}; starting run "
+              f"{run.name!r} from iteration 0", flush=True)
+        return None
+    named_by_config = re.compile(re.escape(cfg.name) + r"-\d{8}-\d{6}")
     candidates = sorted(
-        (p for p in root.glob("*") if (p / "checkpoints" / "latest").exists()
-         and (p.name == prefix or p.name.startswith(prefix))),
+        (p for p in root.glob("*") if named_by_config.fullmatch(p.name) and (p / "checkpoints" / "latest").exists()),
         key=lambda p: (p / "checkpoints" / "latest").stat().st_mtime,
     )
     if not candidates:
-        print(f"train.resume=auto: no checkpoint of {prefix!r} under {root}; starting a new run", flush=True)
+        print(f"train.resume=auto: no run of config {cfg.name!r} ({cfg.name}-<date>-<time>) with a complete "
+              f"checkpoint under {root}; starting a new run (set train.run_name to resume a run named "
+              f"otherwise)", flush=True)
         return None
     run = candidates[-1]
-    return run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    ckpt = _latest(run)
+    others = f"; {len(candidates) - 1} older run(s) of this config left alone" if len(candidates) > 1 else ""
+    print(f"train.resume=auto: no train.run_name, so resuming the run of config {cfg.name!r} whose checkpoint "
+          f"is newest, {run.name!r}, from {ckpt.name} ({ckpt}){others}; set train.run_name=<run> to choose "
+          f"the run", flush=True)
+    return ckpt
+
+
+def _stage_of(deepspeed_config: str) -> int:
+    from vagen.config import CONFIGS_DIR
+
+    return int(json.loads((CONFIGS_DIR / deepspeed_config).read_text()).get("zero_optimization", {})
+               .get("stage", 0))
+
+
+def saved_layout(ckpt: Path) -> tuple[int | None, int]:
+    """(ranks, ZeRO stage) that the engine states of `ckpt` were saved with. Checkpoints record both in
+    trainer_state.json; older ones are read from DeepSpeed's file names: one `*optim_states.pt` per rank
+    under ZeRO 1-3 (read as 2 when stage 1 or 2), `zero_pp_rank_*_model_states.pt` under ZeRO-3, and
+    under ZeRO-0 only `mp_rank_00_model_states.pt` (the rank count is then not recorded: None)."""
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if "ranks" in state and "zero_stage" in state:
+        return int(state["ranks"]), int(state["zero_stage"])
+    names = [p.name for p in (ckpt / "deepspeed" / "actor").glob("*.pt")]
+    optim = [n for n in names if n.endswith("optim_states.pt")]
+    if not optim:
+        return None, 0
+    return len(optim), 3 if any(n.startswith("zero_pp_rank_") and n.endswith("model_states.pt") for n in names) else 2
+
+
+def check_resume_layout(ckpt: Path, cfg: Config, world_size: int) -> None:
+    """Refuse a checkpoint whose engine states DeepSpeed cannot load on `world_size` ranks with
+    `train.deepspeed_config`; say on stdout when it resumes on another number of ranks.
+
+    ZeRO-0 keeps the whole optimizer state in one file that every rank loads, so any rank count
+    resumes it. ZeRO 1-3 split the fp32 master weights and AdamW moments into one file per rank, and
+    DeepSpeed's loader refuses another data-parallel size; ZeRO 1 and 2 share a file layout, ZeRO-3
+    keeps the parameters partitioned as well."""
+    ranks, stage = saved_layout(ckpt)
+    asked = _stage_of(cfg.train.deepspeed_config)
+    family = {0: 0, 1: 1, 2: 1, 3: 3}
+    if family.get(stage) != family.get(asked):
+        raise ResumeError(
+            f"train.resume: checkpoint {ckpt} holds ZeRO-{stage} engine states, and this run asks for ZeRO-{asked} "
+            f"(train.deepspeed_config={cfg.train.deepspeed_config}), whose optimizer state is laid out otherwise; "
+            f"resume with the DeepSpeed config it was saved with, or {_fresh_start(ckpt)}")
+    if ranks is None or ranks == world_size:
+        return
+    if stage == 0:
+        print(f"train.resume: {ckpt.name} was saved on {ranks} rank(s) and resumes on {world_size}: ZeRO-0 keeps "
+              f"the whole optimizer state on every rank, so it loads as saved (batches are shared out anew)",
+              flush=True)
+        return
+    raise ResumeError(
+        f"train.resume: checkpoint {ckpt} was saved on {ranks} rank(s) with ZeRO-{stage}, which splits the "
+        f"fp32 master weights and AdamW moments into one file per rank; this run has {world_size} rank(s), and "
+        f"DeepSpeed loads such states only on the rank count that saved them. Resume on {ranks} rank(s) "
+        f"(deepspeed --num_gpus {ranks} ..., or a hostfile with {ranks} slots), or {_fresh_start(ckpt)}")
+
+
+def _fresh_start(ckpt: Path) -> str:
+    """How to start a new run from the weights of `ckpt`, without its engine states."""
+    actor = ckpt / "actor"
+    if (actor / "adapter_config.json").exists():  # LoRA: the adapter is merged into a whole checkpoint first
+        return (f"start a new run from its weights: python -m vagen.merge {actor} MERGED, then model.path=MERGED "
+                f"train.resume=null (new adapters on the merged weights; the optimizer moments and learning-rate "
+                f"schedule start afresh)")
+    return (f"start a new run from its weights: model.path={actor} model.critic_path={ckpt / 'critic'} "
+            f"train.resume=null (the optimizer moments and learning-rate schedule start afresh)")
