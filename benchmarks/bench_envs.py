@@ -7,6 +7,16 @@ new environment adds one function and one entry. "step+render" is one `env.step(
 parse the response, execute one action, render the next observation (a PIL image in vision mode).
 "reset" is `env.reset(seed)` with a fresh seed, including level generation (and its solvability
 guarantee) and the first observation.
+
+`gym_sokoban` plays the same levels and moves through gym-sokoban 0.0.6 (the reference
+implementation, step + render of a 16-pixel-tile RGB frame) and through vagen's Sokoban (parse,
+move, render a 96x96 frame) in this process, and prints the ratio. gym-sokoban needs the
+unmaintained `gym` and `pkg_resources` (setuptools < 81), so it lives in a venv of its own that
+sees this one's packages:
+
+    python -m venv --system-site-packages .venv-gym-sokoban
+    .venv-gym-sokoban/bin/pip install gym-sokoban==0.0.6 gym==0.26.2 'setuptools<81'
+    .venv-gym-sokoban/bin/python benchmarks/bench_envs.py --only gym_sokoban
 """
 
 from __future__ import annotations
@@ -106,6 +116,96 @@ def bench_sokoban(seconds: float) -> list[Row]:
     return rows
 
 
+def _gym_sokoban_room(level) -> tuple:
+    """`level` as gym-sokoban's (room_fixed, room_state): 0 wall, 1 floor, 2 target, 3 box on a target,
+    4 box, 5 player."""
+    import numpy as np
+
+    fixed = np.where(np.array(level.walls).reshape(level.height, level.width), 0, 1).astype(np.uint8)
+    fixed.flat[list(level.targets)] = 2
+    state = fixed.copy()
+    for box in level.boxes:
+        state.flat[box] = 3 if fixed.flat[box] == 2 else 4
+    state.flat[level.player] = 5
+    return fixed, state
+
+
+def bench_gym_sokoban(seconds: float) -> list[Row]:
+    """vagen's Sokoban against gym-sokoban 0.0.6 on the same levels and moves, one process: step + render
+    to a frame (16-pixel tiles on both sides), per CPU second. The ratio's target is 20x."""
+    import warnings
+
+    import numpy as np
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from gym_sokoban.envs.sokoban_env import SokobanEnv as GymSokoban
+    except ImportError as error:
+        print(f"gym_sokoban: skipped, gym-sokoban 0.0.6 does not import ({error}); install it as the module "
+              "docstring says (a venv with gym-sokoban==0.0.6 gym==0.26.2 'setuptools<81')", file=sys.stderr)
+        return []
+    from envs_visual.sokoban import generate_level
+
+    levels = [generate_level(seed) for seed in range(32)]
+    ours = envs_visual.make("sokoban", cell_size=16, max_steps=10**9)
+    responses = move_responses(ours.action_names)
+    gym_actions = [1 + ours.action_names.index(r.split("<answer>")[1].split("</answer>")[0]) for r in responses]
+    gym = GymSokoban(dim_room=(6, 6), num_boxes=1, max_steps=10**9, reset=False)
+
+    def load_gym(level) -> None:
+        gym.room_fixed, gym.room_state = _gym_sokoban_room(level)
+        gym.player_position = np.argwhere(gym.room_state == 5)[0]
+        gym.num_env_steps, gym.reward_last, gym.boxes_on_target = 0, 0, 0
+
+    class Player:
+        """Plays the levels in turn, 64 moves per `block`; counts this process's CPU time, not the time
+        spent loading the next level."""
+
+        def __init__(self, load, step):
+            self.load, self.step = load, step
+            self.index, self.count, self.cpu = 0, 0, 0.0
+            load(levels[0])
+
+        def block(self) -> None:
+            start = time.process_time()
+            for k in range(len(responses)):
+                if self.step(k):
+                    t = time.process_time()
+                    self.index = (self.index + 1) % len(levels)
+                    self.load(levels[self.index])
+                    start += time.process_time() - t
+            self.count += len(responses)
+            self.cpu += time.process_time() - start
+
+    def step_ours(k: int) -> bool:
+        _, _, terminated, truncated, _ = ours.step(responses[k])
+        return terminated or truncated
+
+    def step_gym(k: int) -> bool:
+        frame, _, done, _ = gym.step(gym_actions[k])
+        assert frame.shape == (96, 96, 3), frame.shape
+        return done
+
+    # Blocks of each in turn, timed in CPU seconds, so that other load on the machine weighs on both sides
+    # alike; gym-sokoban's time goes mostly to reading its seven tile PNGs on every render.
+    theirs, mine = Player(load_gym, step_gym), Player(ours.load_level, step_ours)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # imageio's and numpy's deprecation warnings from gym-sokoban
+        start = time.perf_counter()
+        while time.perf_counter() - start < 2 * seconds or theirs.count < 256:
+            theirs.block()
+            for _ in range(4):  # ours is ~20x faster: four blocks keep its share of the time measurable
+                mine.block()
+    theirs, mine = theirs.count / theirs.cpu, mine.count / mine.cpu
+    config = "6x6, 1 box, vision 96x96, same levels"
+    return [
+        Row("gym-sokoban 0.0.6", config, "step+render per CPU s", theirs),
+        Row("sokoban", config, "step+render per CPU s", mine),
+        Row("sokoban", config, "step+render, x gym-sokoban", mine / theirs, 20.0),
+    ]
+
+
 def bench_frozenlake(seconds: float) -> list[Row]:
     rows = []
     for cell_size in (16, 28):
@@ -195,6 +295,7 @@ def bench_manipulation(seconds: float) -> list[Row]:
 # Append one (name, function) per environment; each function takes the seconds per measurement.
 BENCHMARKS: list[tuple[str, Callable[[float], list[Row]]]] = [
     ("sokoban", bench_sokoban),
+    ("gym_sokoban", bench_gym_sokoban),
     ("frozenlake", bench_frozenlake),
     ("text", bench_text_envs),
     ("navigation", bench_navigation),
@@ -209,7 +310,7 @@ def print_table(rows: list[Row]) -> None:
             r.env,
             r.config,
             r.measure,
-            f"{r.per_second:,.0f}",
+            f"{r.per_second:,.1f}" if r.per_second < 100 else f"{r.per_second:,.0f}",
             "-" if r.target is None else f"{r.target:,.0f}",
             r.met,
         )

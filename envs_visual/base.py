@@ -147,10 +147,15 @@ class Observation:
         assert n == len(self.images), f"{n=} placeholders but {len(self.images)=} images"
 
 
+_ATOMS = frozenset({int, float, str, bool, bytes, type(None)})
+
+
 def hashable(value) -> Hashable:
     """Plain data as an equal-for-equal hashable value: dicts become tuples of (key, value) pairs
     sorted by key, lists, tuples and numpy arrays tuples, sets sorted tuples, numpy scalars Python
     numbers; everything else is kept as it is (and must be hashable)."""
+    if type(value) in _ATOMS:  # the common case, ahead of the isinstance chain (a state key per step)
+        return value
     if isinstance(value, dict):
         return tuple(sorted((str(k), hashable(v)) for k, v in value.items()))
     if isinstance(value, list | tuple):
@@ -292,7 +297,7 @@ class TextActionEnv:
         `state_after`: the true relations as lists of lists."""
         state_after = self.state_relations() if self.state_weights else []
         fields = PROMPT_FORMATS[self.prompt_format] or ()
-        graded = parsed.ok and bool(self.state_weights)
+        graded = parsed.ok and bool(self.state_weights) and any(name in fields for name in ("observation", "prediction"))
         vocabulary = self.state_vocabulary() if graded else None
 
         def score(name: str, relations) -> float | None:

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from envs_visual.base import TextActionEnv
+from envs_visual.base import TextActionEnv, hashable
 from envs_visual.grid import DIRECTIONS, bfs_path, check_cell_size, load_sprites, tile_image
 from envs_visual.state_grader import grid_relation, grid_vocabulary
 
@@ -54,6 +54,7 @@ TILE_NAMES = ("frozen", "hole", "goal", "player", "player_in_hole", "player_on_g
 FROZEN, HOLE, GOAL, PLAYER, PLAYER_IN_HOLE, PLAYER_ON_GOAL = range(len(TILE_NAMES))
 SYMBOLS = "_OGPX√"
 _SYMBOL_ARRAY = np.array(list(SYMBOLS))
+_VOCABULARY = grid_vocabulary({"goal": "goal", "flag": "goal", "hole": "hole", "pit": "hole"})
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,12 @@ class FrozenLakeEnv(TextActionEnv):
         self.player = level.start
         self._base_ids = np.where(level.holes, HOLE, FROZEN)
         self._base_ids[level.goal] = GOAL
+        # What of `hashable(self.state())` the level fixes (the keys before and after "player"), built once
+        # so that `state_key` on every step adds only the player.
+        self._fixed_key = (
+            (("goal", hashable(level.goal)), ("holes", hashable([tuple(x) for x in np.argwhere(level.holes).tolist()]))),
+            (("size", (level.size, level.size)), ("start", hashable(level.start))),
+        )
 
     # -- dynamics -------------------------------------------------------------------------------
     def _apply(self, action: str) -> tuple[float, bool]:
@@ -240,6 +247,13 @@ class FrozenLakeEnv(TextActionEnv):
             "holes": [tuple(x) for x in np.argwhere(level.holes).tolist()],
         }
 
+    def state_key(self):
+        """`hashable(self.state())`, equal value for value (the level's part is built once per level)."""
+        if type(self).state is not FrozenLakeEnv.state:
+            return super().state_key()
+        before, after = self._fixed_key
+        return before + (("player", hashable(self.player)),) + after
+
     def state_relations(self) -> list[tuple[str, str, str]]:
         """The goal, then each hole (row-major), relative to the player."""
         if self.level is None:
@@ -248,7 +262,7 @@ class FrozenLakeEnv(TextActionEnv):
         return [grid_relation("goal", self.player, self.level.goal)] + holes
 
     def state_vocabulary(self):
-        return grid_vocabulary({"goal": "goal", "flag": "goal", "hole": "hole", "pit": "hole"})
+        return _VOCABULARY
 
     # -- rendering ------------------------------------------------------------------------------
     def _ids(self) -> np.ndarray:

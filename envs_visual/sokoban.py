@@ -58,6 +58,9 @@ WALL, FLOOR, TARGET, BOX, BOX_ON_TARGET, PLAYER, PLAYER_ON_TARGET = range(len(TI
 SYMBOLS = "#_OX√PS"
 _SYMBOL_ARRAY = np.array(list(SYMBOLS))
 
+_VOCABULARY = grid_vocabulary({"box": "box", "crate": "box", "target": "target", "goal": "target",
+                               "storage": "target", "dock": "target"})
+
 # 3x3 stamps the room-carving walk leaves behind, all containing the centre so the room stays
 # connected.
 _STAMPS = np.array(
@@ -428,6 +431,7 @@ class SokobanEnv(TextActionEnv):
         _check_generation(dim_room, int(num_boxes))
         self._sheet = load_sprites("sokoban", TILE_NAMES, self.cell_size) if render_mode == "vision" else None
         self.level: SokobanLevel | None = None
+        self._relations: tuple = (None, [])  # ((level, player, boxes), their state_relations())
 
     # -- level ----------------------------------------------------------------------------------
     def _reset(self, seed: int) -> None:
@@ -455,6 +459,13 @@ class SokobanEnv(TextActionEnv):
         base = np.where(np.array(level.walls, dtype=bool), WALL, FLOOR)
         base[list(level.targets)] = TARGET
         self._base_ids = base
+        # What of `hashable(self.state())` the level fixes, built once so that `state_key` on every step
+        # builds only the player and the boxes.
+        self._fixed_key = (
+            ("size", (level.height, level.width)),
+            ("targets", tuple(divmod(t, level.width) for t in level.targets)),
+            ("walls", tuple(divmod(i, level.width) for i, wall in enumerate(level.walls) if wall)),
+        )
 
     # -- dynamics -------------------------------------------------------------------------------
     def _apply(self, action: str) -> tuple[float, bool]:
@@ -515,17 +526,29 @@ class SokobanEnv(TextActionEnv):
             "walls": [rc(i) for i, wall in enumerate(self.walls) if wall],
         }
 
+    def state_key(self):
+        """`hashable(self.state())`, equal value for value (the level's part is built once per level)."""
+        if type(self).state is not SokobanEnv.state:
+            return super().state_key()
+        w = self.width
+        moving = (("boxes", tuple(sorted(divmod(b, w) for b in self.boxes))), ("player", divmod(self.player, w)))
+        return moving + self._fixed_key
+
     def state_relations(self) -> list[tuple[str, str, str]]:
         """Each box, then each target, relative to the player (a box on a target appears as both)."""
         if self.level is None:
             return []
-        w, player = self.width, divmod(self.player, self.width)
-        boxes = [grid_relation("box", player, divmod(b, w)) for b in sorted(self.boxes)]
-        return boxes + [grid_relation("target", player, divmod(t, w)) for t in self.level.targets]
+        # `step` asks before and after the actions, so a turn's "before" is the last turn's "after"
+        positions = (self.level, self.player, tuple(self.boxes))
+        if self._relations[0] != positions:
+            w, player = self.width, divmod(self.player, self.width)
+            boxes = [grid_relation("box", player, divmod(b, w)) for b in sorted(self.boxes)]
+            targets = [grid_relation("target", player, divmod(t, w)) for t in self.level.targets]
+            self._relations = (positions, boxes + targets)
+        return list(self._relations[1])
 
     def state_vocabulary(self):
-        return grid_vocabulary({"box": "box", "crate": "box", "target": "target", "goal": "target",
-                                "storage": "target", "dock": "target"})
+        return _VOCABULARY
 
     # -- rendering ------------------------------------------------------------------------------
     def _ids(self) -> np.ndarray:
