@@ -500,6 +500,37 @@ def test_training_with_vllm_on_two_gloo_ranks(zero, tmp_path):
     _check_vllm_training(records)
 
 
+def test_each_gloo_rank_runs_its_own_engine_with_its_rank_and_samples_its_own_prompts(text_policy, tmp_path):
+    """Two ranks under the DeepSpeed launcher, each with an engine of its own: vLLM's worker is built with the
+    rank's RANK and LOCAL_RANK (on a GPU, LOCAL_RANK is its device; vLLM's single-process executor gave every
+    rank 0, i.e. GPU 0), and each engine answers its own prompt as one engine alone does."""
+    import socket
+
+    from child_env import child_env
+
+    _, encoder, decoder = text_policy
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    worker = str(Path(__file__).resolve().parent / "vllm_rank_worker.py")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port), worker,
+           "--out", str(tmp_path), "--cache", str(tmp_path / "cache")]
+    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    from vagen.decoding import Sampling
+    from vagen.episode import Episode
+
+    sampling = Sampling(do_sample=False, temperature=1.0, max_new_tokens=16)
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["engine"] == [{"rank": rank, "local_rank": rank, "device": "cpu"}], report
+        episode = Episode(env_name="sokoban", seed=rank, group_id=rank, system_prompt="", input_ids=report["prompt"])
+        alone = decoder.generate([episode], [0], sampling)[0]
+        assert report["ids"] == alone.ids, (rank, report["ids"], alone.ids)
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert first["prompt"] != second["prompt"] and first["ids"] != second["ids"]
+
+
 def test_training_with_vllm_and_lora_samples_the_adapted_policy(tmp_path):
     """The engine is built from the base checkpoint and given the LoRA actor's merged weights after every
     update: the tokens it samples have the trained adapted policy's log-probabilities, which the update

@@ -21,8 +21,18 @@ gathered with `GatheredParameters`, never the whole model at once), then the pre
 are reset, so no key, value or image embedding of the old weights is reused. A LoRA policy (a peft
 model) is loaded merged: each adapted layer's weight W + scale B A under the base model's names,
 computed beside the trained model, which is left as it is; the engine samples the adapted policy. On a
-GPU, `sleep()` releases the engine's memory while the update runs and `wake_up()` restores it (vLLM's
-sleep mode); on the CPU both do nothing.
+GPU, `sleep()` releases the engine's memory while the update runs (vLLM's sleep level 2: the KV cache and
+the weights are dropped, not copied to the host, since the sync overwrites the weights anyway), and
+`sync_weights` brings it back in the order that keeps the peak low: the weights' memory first, then the
+new weights, then the KV cache. Before waking, the free memory is compared with what the engine released,
+so an update whose optimizer states left too little room fails with a message instead of an out-of-memory
+error inside vLLM. On the CPU sleeping does nothing.
+
+Placement. Under a trainer's process group every rank's engine uses vLLM's `external_launcher` executor:
+the engine's one worker runs in the trainer's process with the trainer's RANK and LOCAL_RANK, so on a GPU
+it sits on the rank's own device (vLLM's single-process executor would put every rank's engine on GPU 0,
+and make GPU 0 the trainer's current device). Tensor parallelism (`vllm.tensor_parallel_size > 1`) spawns
+worker processes on GPUs 0..TP-1, so it is refused under several ranks (`vagen.config.check_vllm_ranks`).
 
 Built-in tiny models whose config turns on vagen's image hooks (`vagen_center_image_tokens`,
 `vagen_image_position_code`) are refused: stock vLLM does not run those hooks, so it would sample a
@@ -48,7 +58,7 @@ from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, has_adapters,
 DEFAULT_SETTINGS = {
     "gpu_memory_utilization": 0.5,
     "max_model_len": 8192,
-    "enforce_eager": True,
+    "enforce_eager": None,  # None: CUDA graphs on a GPU, eager on the CPU
     "tensor_parallel_size": 1,
     "sleep_mode": True,
     "cpu_kv_cache_gib": 1.0,
@@ -135,6 +145,12 @@ class VLLMDecoder:
         self.encoder = encoder
         self.on_gpu = torch.cuda.is_available()
         tensor_parallel = int(self.settings["tensor_parallel_size"])
+        trainer_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        ranks = torch.distributed.get_world_size() if trainer_group else 1
+        if tensor_parallel > 1 and ranks > 1:
+            raise ValueError(f"vllm.tensor_parallel_size={tensor_parallel} with {ranks} ranks: each rank's engine "
+                             f"would start its workers on GPUs 0..{tensor_parallel - 1}, the GPUs of other ranks; use "
+                             f"vllm.tensor_parallel_size=1 (one engine per rank on its own GPU), or one rank")
         if tensor_parallel == 1:
             # The engine core and its one worker run in this process: `sync_weights` hands them the
             # actor's tensors directly instead of serialising them to another process.
@@ -161,12 +177,13 @@ class VLLMDecoder:
             seed=seed,
             tensor_parallel_size=tensor_parallel,
             enable_prefix_caching=True,
-            enforce_eager=bool(self.settings["enforce_eager"]),
+            enforce_eager=eager(self.settings["enforce_eager"], self.on_gpu),
             max_model_len=int(self.settings["max_model_len"]),
             gpu_memory_utilization=float(self.settings["gpu_memory_utilization"]),
             generation_config="vllm",  # the checkpoint's sampling defaults would change the distribution
             logprobs_mode="processed_logprobs",  # of the distribution sampled from: masked, after temperature
             logits_processors=[f"{__name__}:SuppressTokens"],
+            **placement(tensor_parallel, trainer_group),
         )
         if self.on_gpu:
             options["enable_sleep_mode"] = bool(self.settings["sleep_mode"])
@@ -188,14 +205,18 @@ class VLLMDecoder:
         # vLLM's CPU worker expects a process of its own: it sets torch to one thread and replaces
         # `torch.set_num_threads` with a no-op. Here it shares the trainer's process, which gets both back.
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-        trainer_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        device = torch.cuda.current_device() if self.on_gpu else None
         try:
             self.llm = LLM(**options)
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
+        if self.on_gpu and torch.cuda.current_device() != device:
+            raise RuntimeError(f"building the vLLM engine moved this process from GPU {device} to GPU "
+                               f"{torch.cuda.current_device()}: the engine was placed on another rank's GPU")
         self.guarded_shutdown = _guard_shutdown(self.llm, trainer_group)
         self.asleep = False
+        self.released_bytes = 0  # GPU memory the engine gave up in its last `sleep()`
         self.in_process = tensor_parallel == 1
 
     @classmethod
@@ -203,8 +224,11 @@ class VLLMDecoder:
         """The engine of a run: the base checkpoint of `cfg.model` (refused when it has image hooks),
         `cfg.model.dtype`, seeded by `cfg.train.seed`, settings of `cfg.vllm`; then `model`'s weights
         when given (a resumed or warm-started actor differs from the base checkpoint)."""
+        from vagen.config import check_vllm_ranks
+        from vagen.distributed import world_size
         from vagen.models import base_checkpoint, load_policy
 
+        check_vllm_ranks(cfg, world_size())
         checkpoint = base_checkpoint(cfg.model)
         refuse_image_hooks(checkpoint)
         if encoder is None:
@@ -290,8 +314,9 @@ class VLLMDecoder:
         into one matrix), and processes a layer once all its tensors have arrived. Returns the seconds
         it took."""
         start = time.perf_counter()
-        if self.asleep:
-            raise RuntimeError("the vLLM engine is asleep; call wake_up() before sync_weights()")
+        kv_asleep = self.asleep
+        if self.asleep:  # the weights' memory back first; the KV cache only once the new weights are in
+            self._wake(["weights"])
         module = unwrap(model)
         adapted = lora_layers(module)
         groups = list(weight_groups(without_wrapper(module), float(self.settings["sync_group_mb"]) * 2**20))
@@ -308,20 +333,34 @@ class VLLMDecoder:
                     torch.save([(name, tensor.cpu()) for name, tensor in engine_weights(group, adapted)], buffer)
                 self.llm.collective_rpc(_reload_serialized, args=(buffer.getvalue(),))
         self.llm.apply_model(_repack_tied_heads)
+        if kv_asleep:
+            self._wake(["kv_cache"])
         self.llm.reset_prefix_cache()  # keys and values of the old weights
         self.llm.llm_engine.reset_encoder_cache()  # image embeddings of the old weights
         return time.perf_counter() - start
 
     def sleep(self) -> None:
-        """Release the engine's GPU memory (KV cache dropped, weights offloaded) while the update runs."""
+        """Release the engine's GPU memory while the update runs: the KV cache and the weights dropped (sleep
+        level 2: nothing is copied to the host, `sync_weights` loads the updated weights anyway; vLLM keeps
+        the model's buffers). Records how much was released, which waking needs back."""
         if self.on_gpu and self.settings["sleep_mode"] and not self.asleep:
-            self.llm.sleep(level=1)
+            free = free_gpu_bytes()
+            self.llm.sleep(level=2)
+            self.released_bytes = max(0, free_gpu_bytes() - free)
             self.asleep = True
 
     def wake_up(self) -> None:
+        """Restore the engine's memory with the weights it had (`sync_weights` wakes it by itself, in the
+        order that keeps the peak low)."""
         if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+            self._wake(["weights", "kv_cache"])
+
+    def _wake(self, tags: list[str]) -> None:
+        if "weights" in tags:  # checked once, for all the engine needs back, before any of it is taken
+            check_wake_memory(self.released_bytes, free_gpu_bytes(), total_gpu_bytes(),
+                              float(self.settings["gpu_memory_utilization"]))
+        self.llm.wake_up(tags=tags)
+        self.asleep = "kv_cache" not in tags
 
     def close(self) -> None:
         """Shut the engine down (its worker processes too, with tensor parallelism); the trainer's process
@@ -333,6 +372,54 @@ class VLLMDecoder:
             else:
                 client.shutdown()
             self.llm = None
+
+
+def placement(tensor_parallel: int, trainer_group: bool) -> dict:
+    """vLLM's executor for an engine built inside a trainer rank: `external_launcher` under a process group,
+    which gives the engine's worker the rank's RANK and LOCAL_RANK (its GPU); the default otherwise (one
+    process, or tensor-parallel workers of its own)."""
+    if tensor_parallel > 1 or not trainer_group:
+        return {}
+    missing = [key for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
+    if missing:
+        raise RuntimeError(f"a vLLM engine inside a trainer rank reads its rank from the environment, but {missing} "
+                           f"are not set; start the job with the DeepSpeed launcher (deepspeed vagen/train.py) or "
+                           f"with vagen.distributed.init_distributed, which set them")
+    return {"distributed_executor_backend": "external_launcher"}
+
+
+def eager(setting: bool | None, on_gpu: bool) -> bool:
+    """`vllm.enforce_eager`: null means CUDA graphs on a GPU (decode steps replayed, not launched kernel by
+    kernel) and eager on the CPU, where vLLM's CPU backend compiles instead."""
+    return (not on_gpu) if setting is None else bool(setting)
+
+
+def free_gpu_bytes() -> int:
+    """Free memory of this rank's GPU, after the trainer's allocator has returned what it holds unused."""
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def total_gpu_bytes() -> int:
+    return int(torch.cuda.mem_get_info()[1])
+
+
+def check_wake_memory(needed: int, free: int, total: int, utilization: float) -> None:
+    """Refuse to wake an engine into less memory than it released: vLLM sizes its KV cache at start-up,
+    before the optimizer's states exist (AdamW allocates them at its first step), and would fail inside
+    its allocator with a bare out-of-memory error."""
+    if free >= needed:
+        return
+    gib = 2**30
+    short = (needed - free) / total
+    lower = max(0.05, int((utilization - short - 0.02) * 100) / 100)  # rounded down, with 2% to spare
+    raise RuntimeError(
+        f"the vLLM engine cannot wake up after the update: it needs {needed / gib:.2f} GiB back (the weights and KV "
+        f"cache it released; vllm.gpu_memory_utilization={utilization:g} of this GPU's {total / gib:.1f} GiB), but "
+        f"only {free / gib:.2f} GiB are free now that the update holds its optimizer states and gradients. Lower "
+        f"vllm.gpu_memory_utilization to {lower:.2f} or less, or make the update smaller: ZeRO-3 "
+        f"(train.deepspeed_config=deepspeed/zero3_bf16.json) over more GPUs, LoRA (model.lora_rank=64), or "
+        f"model.gradient_checkpointing=true")
 
 
 def weight_groups(module, limit_bytes: float):

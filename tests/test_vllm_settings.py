@@ -1,0 +1,118 @@
+"""The vLLM decoder's settings and its memory protocol, without vLLM: what each rank's engine is built with,
+the rules that refuse a config before any work, and the order and guard of sleeping and waking on a GPU
+(the engine faked, the free-memory reading faked). The engine itself is tested in tests/test_vllm.py."""
+
+from __future__ import annotations
+
+import pytest
+
+import vagen.decoding_vllm as dv
+from vagen.config import ConfigError, check_vllm_ranks, load_config
+
+GIB = 2**30
+
+
+def test_each_rank_engine_uses_the_external_launcher_with_the_rank_of_the_environment(monkeypatch):
+    for key, value in {"RANK": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    assert dv.placement(1, trainer_group=True) == {"distributed_executor_backend": "external_launcher"}
+    assert dv.placement(1, trainer_group=False) == {}  # one process: vLLM's own executor, device 0 is its own
+    assert dv.placement(2, trainer_group=False) == {}  # tensor-parallel workers of its own
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(RuntimeError, match=r"\['LOCAL_RANK'\] are not set"):
+        dv.placement(1, trainer_group=True)
+
+
+def test_cuda_graphs_by_default_on_a_gpu_and_eager_on_the_cpu():
+    assert dv.eager(None, on_gpu=True) is False
+    assert dv.eager(None, on_gpu=False) is True
+    assert dv.eager(True, on_gpu=True) is True and dv.eager(False, on_gpu=False) is False
+    assert load_config("sokoban_text").vllm.enforce_eager is None
+
+
+def test_tensor_parallel_engines_are_refused_under_several_ranks():
+    cfg = load_config("sokoban_text", ["rollout.backend=vllm", "vllm.tensor_parallel_size=2"])
+    check_vllm_ranks(cfg, 1)  # one rank: its engine may span GPUs
+    with pytest.raises(ConfigError, match=r"vllm.tensor_parallel_size=2 with 8 ranks.*GPUs 0..1.*tensor_parallel_size=1"):
+        check_vllm_ranks(cfg, 8)
+    check_vllm_ranks(load_config("sokoban_text", ["vllm.tensor_parallel_size=2"]), 8)  # hf rollouts: no engine
+
+
+def test_a_trajectory_longer_than_the_engine_accepts_is_refused_at_config_time():
+    with pytest.raises(ConfigError, match=r"rollout.max_trajectory_length=9000 exceeds vllm.max_model_len=8192"):
+        load_config("sokoban_text", ["rollout.backend=vllm", "rollout.max_trajectory_length=9000"])
+    load_config("sokoban_text", ["rollout.backend=vllm", "rollout.max_trajectory_length=8192"])
+    load_config("sokoban_text", ["rollout.max_trajectory_length=9000"])  # hf rollouts have no such limit
+
+
+class FakeEngine:
+    """The calls `VLLMDecoder` makes on its `vllm.LLM`, recorded; sleeping frees `footprint` bytes of the
+    fake GPU and waking takes them back."""
+
+    def __init__(self, gpu: dict, footprint: int):
+        self.calls, self.gpu, self.footprint = [], gpu, footprint
+        self.llm_engine = self
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+        self.gpu["free"] += self.footprint
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags)))
+        self.gpu["free"] -= self.footprint // 2
+
+    def collective_rpc(self, method, kwargs=None, args=()):
+        list(kwargs["weights_iterator"])  # the engine pulls every group
+        self.calls.append(("reload_weights",))
+
+    def apply_model(self, fn):
+        pass
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def reset_encoder_cache(self):
+        pass
+
+
+def gpu_decoder(monkeypatch, free: int, footprint: int):
+    import torch
+
+    gpu = {"free": free}
+    monkeypatch.setattr(dv, "free_gpu_bytes", lambda: gpu["free"])
+    monkeypatch.setattr(dv, "total_gpu_bytes", lambda: 80 * GIB)
+    decoder = object.__new__(dv.VLLMDecoder)
+    decoder.settings = {**dv.DEFAULT_SETTINGS}
+    decoder.on_gpu, decoder.asleep, decoder.in_process, decoder.released_bytes = True, False, True, 0
+    decoder.llm = FakeEngine(gpu, footprint)
+    return decoder, gpu, torch.nn.Linear(2, 2)
+
+
+def test_sleep_drops_the_weights_and_a_sync_wakes_weights_then_kv_cache(monkeypatch):
+    decoder, gpu, model = gpu_decoder(monkeypatch, free=10 * GIB, footprint=40 * GIB)
+    decoder.sleep()
+    assert decoder.released_bytes == 40 * GIB and decoder.asleep
+    gpu["free"] -= 5 * GIB  # the update's optimizer states
+    decoder.sync_weights(model)
+    assert decoder.llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload_weights",),
+                                 ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    assert not decoder.asleep
+
+
+def test_waking_into_less_memory_than_the_engine_released_fails_with_what_to_change(monkeypatch):
+    decoder, gpu, model = gpu_decoder(monkeypatch, free=10 * GIB, footprint=40 * GIB)
+    decoder.sleep()
+    gpu["free"] -= 20 * GIB  # AdamW's states, allocated at the first step, took what the engine left
+    # short by 10 of 80 GiB: 0.5 - 0.125 - 0.02 = 0.355, rounded down
+    with pytest.raises(RuntimeError, match=r"needs 40.00 GiB back .* only 30.00 GiB are free .* Lower "
+                                           r"vllm.gpu_memory_utilization to 0.35 or less"):
+        decoder.sync_weights(model)
+    assert decoder.llm.calls == [("sleep", 2)]  # nothing of the engine was taken back
+
+
+def test_on_the_cpu_sleeping_does_nothing(monkeypatch):
+    decoder, _, model = gpu_decoder(monkeypatch, free=0, footprint=GIB)
+    decoder.on_gpu = False
+    decoder.sleep()
+    decoder.sync_weights(model)
+    assert decoder.llm.calls == [("reload_weights",), ("reset_prefix_cache",)]
