@@ -100,6 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", choices=["hf", "vllm"], default="hf",
                         help="rollout.backend: transformers generate, or vLLM (its engine sleeps during the update)")
     parser.add_argument("--cache", default="~/.cache/vagen", help="where the built-in tiny model is built")
+    parser.add_argument("--json", default=None, help="also write the iterations after the first as one JSON row")
     parser.add_argument("overrides", nargs="*", help="further section.key=value overrides")
     args = parser.parse_args(argv)
 
@@ -156,7 +157,44 @@ def main(argv=None) -> int:
     print(row("first", records[:1]))
     if len(records) > 1:
         print(row("after the first", records[1:]))
+    if args.json:
+        later = records[1:] or records
+        Path(args.json).write_text(json.dumps(summary(later, args, peak, device)) + "\n")
     return 0
+
+
+def summary(records: list[dict], args, peak_gib: float, device: str) -> dict:
+    """The iterations' means as one row (`scripts/gpu_check.sh` prints the rows of both backends together),
+    with what a decode step must read at this shape: the language model's weights once, and every
+    running sequence's keys and values (`decode_bytes`)."""
+    def total(key):
+        return sum(r.get(key) or 0.0 for r in records)
+
+    n = len(records)
+    turns = total("rollout/turns") / max(n, 1)
+    tokens = total("rollout/generated_tokens")
+    return {"backend": args.backend, "shape": args.shape, "device": device, "iterations": n,
+            "iteration_s": total("timing/iteration") / n, "generate_s": total("timing/generate") / n,
+            "generated_tokens_per_s": tokens / max(total("timing/generate"), 1e-9),
+            "update_tokens_per_s": total("update/tokens") / max(total("timing/update"), 1e-9),
+            "weight_sync_s": total("timing/weight_sync") / n, "peak_gib": peak_gib,
+            "sequences": args.groups * args.group_size, "turns": args.turns, "max_new_tokens": args.max_new_tokens,
+            "mean_response_tokens": tokens / max(turns * args.groups * args.group_size * n, 1)}
+
+
+def decode_bytes(shape: str, sequences: int, context: float) -> float:
+    """Bytes one decode step of `sequences` running sequences must read in bf16 at `shape`: the language
+    model's weights (the embedding table only through its rows, but a head of vocabulary x hidden), and
+    each sequence's keys and values over `context` tokens. The bandwidth bound of decoding is then
+    sequences x bandwidth / decode_bytes tokens per second."""
+    text = SHAPES[shape]["text"]
+    hidden, layers, inter = text["hidden_size"], text["num_hidden_layers"], text["intermediate_size"]
+    heads, kv_heads = text["num_attention_heads"], text["num_key_value_heads"]
+    head_dim = hidden // heads
+    per_layer = hidden * (hidden + 2 * kv_heads * head_dim) + hidden * hidden + 3 * hidden * inter
+    weights = layers * per_layer + text["vocab_size"] * hidden
+    kv_per_token = layers * 2 * kv_heads * head_dim
+    return 2.0 * (weights + sequences * context * kv_per_token)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3, help="rollouts per backend (the first is warm-up)")
-    parser.add_argument("--backends", default="hf,vllm")
+    parser.add_argument("--backends", default="hf,vllm", help="any of hf, vllm, vllm-unseeded (vllm.seeded_requests=false)")
     parser.add_argument("--cache", default="~/.cache/vagen", help="where the built-in tiny model is built")
     args = parser.parse_args(argv)
 
@@ -80,21 +80,23 @@ def main(argv=None) -> int:
         if backend == "hf":
             decoder = HFDecoder(model, encoder)
             extra = ""
-        elif backend == "vllm":
+        elif backend in ("vllm", "vllm-unseeded"):
             from vagen.decoding_vllm import VLLMDecoder
 
-            decoder = VLLMDecoder(path, encoder, dtype=dtype, seed=0)
+            decoder = VLLMDecoder(path, encoder, dtype=dtype, seed=0, seeded_requests=backend == "vllm")
             start_s = time.perf_counter() - t0
             sync_s = decoder.sync_weights(model)
             extra = f"engine start {start_s:.1f} s, weight sync {sync_s:.2f} s"
         else:
-            raise SystemExit(f"unknown backend {backend!r}; choices: hf, vllm")
+            raise SystemExit(f"unknown backend {backend!r}; choices: hf, vllm, vllm-unseeded (no per-request seeds)")
         runs = []
         for repeat in range(args.repeats):
             _, timing = rollout(model, encoder, cfg, seeds, args.group_size, decoder=decoder, sample_seed=repeat)
             runs.append((timing["rollout/generated_tokens"], timing["timing/generate"]))
             print(f"{backend} rollout {repeat}: {runs[-1][0]:.0f} tokens in {runs[-1][1]:.1f} s", flush=True)
         rows.append((backend, runs, extra))
+        if hasattr(decoder, "close"):
+            decoder.close()
         del decoder
 
     device = torch.cuda.get_device_name() if on_gpu else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"

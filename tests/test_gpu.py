@@ -75,3 +75,42 @@ def test_sampling_on_cuda_is_reproducible_by_seed(tiny_vl):
     _, _, again = _frozenlake_samples(gpu_model, processor)
     assert [s.input_ids.tolist() for s in first] == [s.input_ids.tolist() for s in again]
     assert len({tuple(s.input_ids.tolist()) for s in first}) > 1  # sampled, not one greedy answer repeated
+
+
+def test_vllm_on_cuda_sleeps_wakes_weights_first_and_samples_the_trainer_policy(tiny_vl, tmp_path):
+    """vLLM on this rank's GPU (pip install -e ".[vllm]"): CUDA graphs by default, the engine on the trainer's
+    own device, sleep level 2 releasing memory, and a sync after sleeping (weights woken, loaded, then the KV
+    cache) giving the engine the updated weights: its sampled tokens' log-probs are the trainer's."""
+    import shutil
+
+    from test_vllm import sampled_gaps, standard_copy
+
+    from vagen.decoding_vllm import VLLMDecoder
+    from vagen.models import load_policy
+
+    checkpoint = standard_copy(tiny_vl[0], tmp_path / "standard")
+    model, processor = load_policy(checkpoint)  # the trainer's side stays on the CPU, in float32
+    model.eval()
+    encoder = ChatEncoder(processor)
+    decoder = VLLMDecoder(checkpoint, encoder, dtype="float32", seed=0, gpu_memory_utilization=0.3)
+    try:
+        assert decoder.llm.llm_engine.vllm_config.model_config.enforce_eager is False
+        assert torch.cuda.current_device() == 0
+        cfg = load_config("frozenlake_visual", ["rollout.max_new_tokens=24", "rollout.max_turns=2",
+                                                "rollout.temperature=1.0"])
+        played = dict(seeds=[3], group_size=2, decoder=decoder, sample_seed=1)
+        episodes, _ = rollout(model, encoder, cfg, **played)
+        assert max(sampled_gaps(model, encoder, episodes, 1.0)) < 2e-3  # TF32 and CUDA kernels: 2e-3, as above
+        decoder.sleep()
+        assert decoder.asleep and decoder.released_bytes > 0
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.02 * torch.randn_like(param))
+        decoder.sync_weights(model)
+        assert not decoder.asleep
+        episodes, _ = rollout(model, encoder, cfg, **played)
+        gaps = sampled_gaps(model, encoder, episodes, 1.0)
+        assert max(gaps) < 2e-3, f"after sleep and sync: max |vLLM - trainer| {max(gaps):.2e}"
+    finally:
+        decoder.close()
+        shutil.rmtree(checkpoint, ignore_errors=True)

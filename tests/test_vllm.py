@@ -49,7 +49,11 @@ def require_vllm() -> None:
 def standard_vl(model_cache, tmp_path_factory):
     """The built-in tiny Qwen2.5-VL as a standard checkpoint: its config.json without vagen's hooks."""
     source = resolve_model_path("builtin:tiny-vl", model_cache, seed=0)
-    out = tmp_path_factory.mktemp("standard_vl") / "tiny-vl"
+    return standard_copy(source, tmp_path_factory.mktemp("standard_vl") / "tiny-vl")
+
+
+def standard_copy(source, out: Path) -> Path:
+    """A copy of the built-in tiny VLM at `source` whose config.json turns vagen's image hooks off."""
     shutil.copytree(source, out)
     config = json.loads((out / "config.json").read_text())
     assert config.get(CENTER_IMAGE_TOKENS), f"the built-in was expected to carry {CENTER_IMAGE_TOKENS}: {config}"
