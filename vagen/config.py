@@ -45,6 +45,9 @@ class ModelConfig:
                                        "head), or a critic vagen saved (runs/<run>/checkpoints/step_N[/critic], "
                                        "backbone and value head); null = the actor's weights")
     dtype: str = _f("float32", "parameter dtype: float32 | bfloat16")
+    attn_implementation: str = _f("sdpa", "attention kernel of the policy, critic and reference: sdpa | eager | "
+                                          "flash_attention_2 (needs the flash-attn package, a GPU and "
+                                          "model.dtype=bfloat16); vLLM rollouts use vLLM's own")
     builtin_cache: str = _f("~/.cache/vagen", "where built-in tiny models are built and cached")
     builtin_seed: int = _f(0, "initialisation seed of a built-in model; not train.seed, so that training "
                               "seeds share one base")
@@ -290,6 +293,7 @@ SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "name"]
 
 CHOICES = {
     ("model", "dtype"): ("float32", "bfloat16"),
+    ("model", "attn_implementation"): ("sdpa", "eager", "flash_attention_2"),
     ("env", "render_mode"): ("vision", "text"),
     ("sft", "lr_schedule"): ("constant", "cosine"),
     ("sft", "reasoning"): ("near", "path", "plan"),
@@ -344,6 +348,24 @@ def model_path_error(path: str) -> str | None:
             f"(e.g. Qwen/Qwen2.5-VL-3B-Instruct) and pass its directory, or use one of {names}")
 
 
+def attn_implementation_error(name: str, dtype: str) -> str | None:
+    """Why `model.attn_implementation=name` cannot run with `model.dtype=dtype` here (None when it can)."""
+    if name != "flash_attention_2":
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        # transformers would otherwise fetch a kernel from the Hugging Face hub at load time
+        return ("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not installed "
+                "in this environment; install it (pip install flash-attn --no-build-isolation, on a machine with "
+                "CUDA) or use model.attn_implementation=sdpa")
+    if dtype != "bfloat16":
+        return (f"model.attn_implementation=flash_attention_2 with model.dtype={dtype}: flash-attn computes in "
+                f"float16/bfloat16 only; set model.dtype=bfloat16 (with a bf16 train.deepspeed_config) or use "
+                f"model.attn_implementation=sdpa")
+    return None
+
+
 # Keys that no longer exist, and what to do instead.
 REMOVED_KEYS = {
     "model.warm_start": "training no longer builds a warm start, it trains the checkpoint model.path names: start "
@@ -390,6 +412,9 @@ def validate(cfg: Config) -> None:
                 f"{section}.{key}={value!r} is not a valid choice{_closest(str(value), choices)} "
                 f"choices: {', '.join(choices)}"
             )
+    problem = attn_implementation_error(cfg.model.attn_implementation, cfg.model.dtype)
+    if problem:
+        raise ConfigError(problem)
     ro, algo, tr = cfg.rollout, cfg.algo, cfg.train
     positive = [("rollout", "env_groups"), ("rollout", "group_size"), ("rollout", "max_turns"),
                 ("rollout", "max_new_tokens"), ("train", "ppo_epochs"), ("train", "mini_batch_size"),

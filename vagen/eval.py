@@ -372,7 +372,8 @@ def main(argv=None) -> int:
     dist = init_distributed(need_group=False)  # the start training uses: the rank's device, threads, group
     rank = dist.rank
     # the image bounds of the config, as training applies them
-    model, processor = load_policy(checkpoint, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)
+    model, processor = load_policy(checkpoint, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels,
+                                   cfg.model.attn_implementation)
     model.to(dist.device)
     if args.out:
         out = Path(args.out)

@@ -421,21 +421,29 @@ def matmul_patch_embedding(model: nn.Module) -> bool:
     return True
 
 
-def load_policy(path: Path, dtype: str = "float32", min_pixels: int | None = None, max_pixels: int | None = None):
+def load_policy(path: Path, dtype: str = "float32", min_pixels: int | None = None, max_pixels: int | None = None,
+                attn_implementation: str = "sdpa"):
     """(model, processor) for a checkpoint directory; the processor of a text model is its tokenizer.
     `min_pixels` / `max_pixels` (`model.min_pixels` / `model.max_pixels`) replace the image
-    processor's own bounds, for training and evaluation alike."""
+    processor's own bounds, for training and evaluation alike. `attn_implementation`
+    (`model.attn_implementation`): the attention kernel of every layer, the vision tower's included."""
+    from vagen.config import attn_implementation_error
+
+    problem = attn_implementation_error(attn_implementation, dtype)
+    if problem:
+        raise ValueError(f"{problem} (loading {path})")
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     if is_vision_checkpoint(path):
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=DTYPES[dtype])
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=DTYPES[dtype],
+                                                            attn_implementation=attn_implementation)
         center_image_tokens(model)
         matmul_patch_embedding(model)
         processor = AutoProcessor.from_pretrained(path)
         set_pixel_bounds(processor, min_pixels, max_pixels)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
         processor = AutoTokenizer.from_pretrained(path)
     disable_dropout(model)
     if _stored_as_named(model, path):

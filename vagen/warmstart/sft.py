@@ -537,7 +537,8 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     # The code the demonstrations are written by, read before they are: the checkout may change during a build.
     revision, demo_code = code_revision(), demonstration_code(cfg.env.name, questions)
     torch.manual_seed(0)
-    model, processor = load_policy(Path(base_path), cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)
+    model, processor = load_policy(Path(base_path), cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels,
+                                   cfg.model.attn_implementation)
     encoder = ChatEncoder(processor)
     train_demos, val_demos = demo_sets(cfg, policy)
     train_samples = demo_samples(train_demos, cfg, encoder, model)
@@ -699,7 +700,7 @@ def report(cfg, checkpoint: Path, n: int) -> dict:
     from vagen.warmstart.demos import distinct_eval_seeds, scripted_baselines
 
     seeds = distinct_eval_seeds(cfg.env, n)
-    model, processor = load_policy(checkpoint, cfg.model.dtype)
+    model, processor = load_policy(checkpoint, cfg.model.dtype, attn_implementation=cfg.model.attn_implementation)
     encoder = ChatEncoder(processor)
     rows = {}
     for name, sample in (("sft greedy", False), ("sft sampled", True)):
