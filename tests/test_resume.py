@@ -167,3 +167,62 @@ def test_zero_1_to_3_states_on_another_rank_count_or_stage_are_refused_with_what
     assert capsys.readouterr().out == (
         "train.resume: step_1 was saved on 2 rank(s) and resumes on 1: ZeRO-0 keeps the whole optimizer state "
         "on every rank, so it loads as saved (batches are shared out anew)\n")
+
+
+TRAIN = Path(__file__).parent.parent / "vagen" / "train.py"
+SMALL = ["--config", "bandit_text", "train.iterations=1", "rollout.env_groups=2", "rollout.group_size=2",
+         "rollout.max_new_tokens=4", "train.mini_batch_size=2", "train.micro_batch_size=1", "log.progress=false",
+         "log.tensorboard=false"]
+
+
+def _train_on(ranks: int, tmp_path, model_cache, *extra):
+    """vagen/train.py on `ranks` gloo ranks: through the DeepSpeed launcher when there are several."""
+    args = [*SMALL, f"train.run_dir={tmp_path}", "train.run_name=hop", f"model.builtin_cache={model_cache}", *extra]
+    if ranks == 1:
+        cmd = [sys.executable, str(TRAIN), *args]
+    else:
+        from test_distributed import _free_port
+
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
+               str(_free_port()), str(TRAIN), *args]
+    return subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=600)
+
+
+def _engine_state(ckpt: Path) -> dict:
+    return torch.load(ckpt / "deepspeed" / "actor" / "mp_rank_00_model_states.pt", map_location="cpu",
+                      weights_only=False)
+
+
+def test_zero0_resumes_on_another_rank_count_with_its_optimizer_state_and_zero3_is_refused(tmp_path, tiny_text,
+                                                                                            model_cache):
+    """1 rank -> 2 -> 1 under ZeRO-0: each resumed run continues the optimizer (AdamW's step count and the
+    engine's global steps carry on from the checkpoint); asking 2 ranks for ZeRO-3 on it stops both before
+    any work."""
+    checkpoints = tmp_path / "hop" / "checkpoints"
+    steps = 0
+    for it, ranks in enumerate((1, 2, 1), start=1):
+        resume = ["train.resume=auto"] if it > 1 else []
+        done = _train_on(ranks, tmp_path, model_cache, f"train.iterations={it}", *resume)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        if it > 1:
+            assert (f"train.resume: step_{it - 1} was saved on {3 - ranks} rank(s) and resumes on {ranks}: "
+                    f"ZeRO-0 keeps the whole optimizer state") in done.stdout, done.stdout[-3000:]
+        state = _engine_state(checkpoints / f"step_{it}")
+        if it == 1:
+            steps = state["global_steps"]  # one per mini-batch of 2
+            assert steps == 2
+        assert state["dp_world_size"] == ranks
+        assert state["global_steps"] == it * steps  # the steps before the checkpoint are counted
+        assert {s["step"].item() for s in state["optimizer"]["state"].values()} == {it * steps}
+        assert json.loads((checkpoints / f"step_{it}" / "trainer_state.json").read_text())["ranks"] == ranks
+    assert [r["iteration"] for r in _record(tmp_path / "hop")] == [0, 1, 2]
+    before = (tmp_path / "hop" / "config.yaml").read_text()
+    refused = _train_on(2, tmp_path, model_cache, "train.iterations=4", "train.resume=auto",
+                        "train.deepspeed_config=deepspeed/zero3_fp32.json")
+    assert refused.returncode != 0
+    output = refused.stdout + refused.stderr
+    assert (f"refused: train.resume: checkpoint {checkpoints / 'step_3'} holds ZeRO-0 engine states, and this run "
+            f"asks for ZeRO-3") in output, output[-3000:]
+    assert "checkpoint: " not in output  # stopped before the models were built
+    assert (tmp_path / "hop" / "config.yaml").read_text() == before
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_1", "step_2", "step_3"]
