@@ -69,6 +69,137 @@ def _unlink_shm_workspace(rank: int) -> None:
         pass
 
 
+# File systems on which another machine may hold a lock that this machine's /proc cannot show.
+_SHARED_FILE_SYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
+                        "fuse.sshfs", "fuse.glusterfs", "fuse.cephfs", "9p", "afs", "ocfs2", "gfs2", "wekafs")
+
+
+def _build_lock_files() -> list[str]:
+    """Every extension's build lock where torch builds DeepSpeed's ops: `$TORCH_EXTENSIONS_DIR/<op>/lock`,
+    else `<torch's cache root>/<python>_<accelerator>/<op>/lock` (any python and accelerator folder)."""
+    import glob
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return sorted(glob.glob(os.path.join(glob.escape(root), "*", "lock")))
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return sorted(glob.glob(os.path.join(glob.escape(get_default_build_root()), "*", "*", "lock")))
+
+
+def _lock_holders(path: str) -> list[int]:
+    """Live processes on this machine with `path` open (a builder keeps its lock file open until it
+    releases it)."""
+    target = os.path.realpath(path)
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or another user's process
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    holders.append(int(pid))
+                    break
+            except OSError:
+                continue
+    return holders
+
+
+def _shared_file_system(path: str, mounts: str = "/proc/self/mounts") -> str | None:
+    """The type of the network file system `path` lies on (by the mount table `mounts`), None for a local one."""
+    path, best, kind = os.path.realpath(path), "", None
+    try:
+        with open(mounts) as mounts:
+            for line in mounts:
+                fields = line.split()
+                point = fields[1].replace("\\040", " ")
+                if len(fields) > 2 and (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return None
+    return kind if kind in _SHARED_FILE_SYSTEMS else None
+
+
+def clear_stale_build_locks(lock_blocks: bool | None = None, settle_s: float = 0.2,
+                            mounts: str = "/proc/self/mounts") -> list[str]:
+    """Remove the build lock of a DeepSpeed op whose builder is gone, so that a run killed during the
+    first-time build (~45 s for the CPU all-reduce op) does not leave every later run waiting forever
+    and without a word. Returns what it said (also printed to stderr).
+
+    Torch releases whose `cpp_extension` uses `FileBaton` lock a build by creating `<op>/lock` and wait,
+    with no time limit and no message, while the file exists; the builder keeps the file open until it
+    removes it. A lock that no process on this machine has open therefore has no builder here: on a
+    local file system it is removed; on a shared one (a builder on another machine cannot be seen) it is
+    named with the command that removes it. A lock a live process holds is never touched. Later releases
+    take a kernel lock instead (`filelock`, freed when the holder dies), whose leftover files block
+    nothing and stay. `lock_blocks` overrides which kind the installed torch uses; `mounts` is the
+    mount table."""
+    import fcntl
+    import sys
+    import time
+
+    if lock_blocks is None:
+        import torch.utils.cpp_extension as cpp_extension
+
+        lock_blocks = hasattr(cpp_extension, "FileBaton")
+    locks = _build_lock_files() if lock_blocks else []
+    if not locks:
+        return []
+    said = []
+    # One checker at a time (the ranks on this machine start together); the kernel frees this lock
+    # with its holder, so a killed checker leaves nothing behind. A read-only cache checks unserialised.
+    try:
+        check = open(os.path.join(os.path.dirname(os.path.dirname(locks[0])), ".vagen_lock_check"), "a")
+    except OSError:
+        check = open(os.devnull, "a")
+    with check:
+        fcntl.flock(check, fcntl.LOCK_EX)
+        for lock in locks:
+            try:
+                first = os.stat(lock)
+            except FileNotFoundError:
+                continue
+            holders = _lock_holders(lock)
+            if not holders:
+                # a builder that is releasing closes the file just before removing it: let it finish
+                time.sleep(settle_s)
+                try:
+                    again = os.stat(lock)
+                except FileNotFoundError:
+                    continue
+                if (again.st_dev, again.st_ino) != (first.st_dev, first.st_ino):
+                    continue
+                holders = _lock_holders(lock)
+            op = os.path.basename(os.path.dirname(lock))
+            age = time.time() - first.st_mtime
+            if holders:
+                said.append(f"DeepSpeed op {op}: process {', '.join(map(str, holders))} is building it (lock {lock}, "
+                            f"{age:.0f} s old); this run waits for it")
+                continue
+            shared = _shared_file_system(lock, mounts)
+            if shared:
+                said.append(f"DeepSpeed op {op}: its build lock {lock} ({age:.0f} s old) is held by no process on this "
+                            f"machine, but it lies on a shared file system ({shared}) where another machine may be "
+                            f"building the op; this run waits for it. If no machine is building it (a killed run left "
+                            f"it), remove it: rm {lock}  (or give each machine its own TORCH_EXTENSIONS_DIR)")
+                continue
+            try:
+                os.unlink(lock)
+            except OSError as error:
+                said.append(f"DeepSpeed op {op}: its build lock {lock} ({age:.0f} s old) is held by no process, so "
+                            f"a stopped build left it, but it cannot be removed ({error}); this run would wait for "
+                            f"it forever: remove it (rm {lock}) and start again")
+                continue
+            said.append(f"DeepSpeed op {op}: removed its build lock {lock}, left {age:.0f} s ago by a build that "
+                        f"was stopped before it finished (no process holds it); the op is built again now")
+        fcntl.flock(check, fcntl.LOCK_UN)
+    for line in said:
+        print(line, file=sys.stderr, flush=True)
+    return said
+
+
 def rank_device(local_rank: int) -> torch.device:
     """The device of the rank with `local_rank` on its machine: its own GPU, or the CPU."""
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -95,6 +226,7 @@ def init_distributed(need_group: bool = True) -> Dist:
     if (need_group or world > 1) and not initialized():
         import deepspeed
 
+        clear_stale_build_locks()  # DeepSpeed builds its ops on first use, from init_distributed on
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
         if device.type == "cpu":
             _unlink_shm_workspace(rank)
