@@ -6,6 +6,7 @@ right-padded batch with M-RoPE positions and a shared prefix. flash_attention_2 
 flash-attn package is missing (transformers would fetch a kernel from the hub instead) or the dtype is
 float32."""
 
+import importlib.metadata
 import importlib.util
 
 import pytest
@@ -52,38 +53,49 @@ def test_sdpa_and_eager_play_and_score_the_same_tokens():
 
 
 @pytest.fixture
-def flash_attn_installed(monkeypatch):
-    """Set `.installed` to make the flash-attn package look installed or missing, whatever this machine has."""
-    real = importlib.util.find_spec
+def flash_attn(monkeypatch):
+    """Set `.version` (None: not installed) to make the flash-attn package look installed at that version or
+    missing, and CUDA absent, whatever this machine has."""
+    real_spec, real_version = importlib.util.find_spec, importlib.metadata.version
 
-    class Switch:
-        installed = False
+    class Package:
+        version = None
 
     def find_spec(name, *args, **kwargs):
         if name == "flash_attn":
-            return real("json") if Switch.installed else None  # any spec stands for an installed package
-        return real(name, *args, **kwargs)
+            return None if Package.version is None else real_spec("json")  # any spec stands for the package
+        return real_spec(name, *args, **kwargs)
+
+    def version(name):
+        return Package.version if name == "flash-attn" else real_version(name)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    return Switch
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return Package
 
 
 BF16 = ["model.dtype=bfloat16", "train.deepspeed_config=deepspeed/zero2_bf16.json"]
+FLASH = ["model.attn_implementation=flash_attention_2"]
 
 
-def test_flash_attention_2_is_refused_without_flash_attn_and_in_float32(flash_attn_installed):
+def test_flash_attention_2_is_refused_without_flash_attn_a_gpu_or_bfloat16(flash_attn):
     path = resolve_model_path("assets:frozenlake_visual")  # refused before anything loads
-    flash = ["model.attn_implementation=flash_attention_2"]
     missing = ("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not installed in "
                "this environment; install it .* or use model.attn_implementation=sdpa")
     with pytest.raises(ConfigError, match=missing):
-        load_config("sokoban_visual", flash + BF16)
+        load_config("sokoban_visual", FLASH + BF16)
     with pytest.raises(ValueError, match=missing + rf" \(loading {path}\)"):
         load_policy(path, "bfloat16", attn_implementation="flash_attention_2")
-    flash_attn_installed.installed = True
-    assert load_config("sokoban_visual", flash + BF16).model.attn_implementation == "flash_attention_2"
+    flash_attn.version = "2.3.2"  # transformers 5 treats it as absent and would fetch a kernel from the hub
+    with pytest.raises(ConfigError, match=r"needs flash-attn >= 2.3.3, found 2.3.2; upgrade it"):
+        load_config("sokoban_visual", FLASH + BF16)
+    flash_attn.version = "2.8.3"
+    assert load_config("sokoban_visual", FLASH + BF16).model.attn_implementation == "flash_attention_2"
     with pytest.raises(ConfigError, match="flash_attention_2 with model.dtype=float32: flash-attn computes in "
                                           "float16/bfloat16 only; set model.dtype=bfloat16"):
-        load_config("sokoban_visual", flash)
+        load_config("sokoban_visual", FLASH)
+    with pytest.raises(ValueError, match="flash_attention_2 runs on CUDA GPUs only, and torch sees none here"):
+        load_policy(path, "bfloat16", attn_implementation="flash_attention_2")
     with pytest.raises(ConfigError, match="'flash_attention' is not a valid choice; did you mean 'flash_attention_2'"):
         load_config("sokoban_visual", ["model.attn_implementation=flash_attention"])

@@ -359,6 +359,16 @@ def attn_implementation_error(name: str, dtype: str) -> str | None:
         return ("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not installed "
                 "in this environment; install it (pip install flash-attn --no-build-isolation, on a machine with "
                 "CUDA) or use model.attn_implementation=sdpa")
+    import importlib.metadata
+
+    try:
+        installed = importlib.metadata.version("flash-attn")
+    except importlib.metadata.PackageNotFoundError:
+        installed = "unknown"
+    numbers = tuple(int(part) for part in installed.split("+")[0].split(".")[:3] if part.isdigit())
+    if numbers < (2, 3, 3):  # transformers 5 takes older ones for absent, and then fetches a kernel too
+        return (f"model.attn_implementation=flash_attention_2 needs flash-attn >= 2.3.3, found {installed}; "
+                f"upgrade it (pip install -U flash-attn --no-build-isolation) or use model.attn_implementation=sdpa")
     if dtype != "bfloat16":
         return (f"model.attn_implementation=flash_attention_2 with model.dtype={dtype}: flash-attn computes in "
                 f"float16/bfloat16 only; set model.dtype=bfloat16 (with a bf16 train.deepspeed_config) or use "

@@ -430,6 +430,9 @@ def load_policy(path: Path, dtype: str = "float32", min_pixels: int | None = Non
     from vagen.config import attn_implementation_error
 
     problem = attn_implementation_error(attn_implementation, dtype)
+    if problem is None and attn_implementation == "flash_attention_2" and not torch.cuda.is_available():
+        problem = ("model.attn_implementation=flash_attention_2 runs on CUDA GPUs only, and torch sees none here; "
+                   "use model.attn_implementation=sdpa on this machine")
     if problem:
         raise ValueError(f"{problem} (loading {path})")
     _quiet_transformers()
