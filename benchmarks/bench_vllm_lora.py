@@ -17,9 +17,11 @@ language-model projection. So that a B of a given size moves the weights as much
 shape, A is drawn at the scale peft gives a 2048-wide layer (Qwen2.5-VL-3B's hidden size), not the tiny
 model's 128. With Adam every step moves each entry of B by about the learning rate, so after k steps
 at the README's train.actor_lr=1e-5 B's entries are at most ~k * 1e-5: b = 1e-4 is ~10 steps, 1e-3 ~100.
-For each b the engine is synced (`VLLMDecoder.sync_weights`), plays sokoban_visual, and the engine's
-log-probability of each sampled token is compared with the trainer's; `lost` is how far the trainer's
-own log-probabilities move when the adapters are switched off (the size of what the engine must carry).
+For each b two engines are synced (`VLLMDecoder.sync_weights`): one given the merged weights (an engine
+built without `lora_rank`), one serving the adapters as adapters (`lora_rank=64`, vLLM's LoRA support).
+Each plays sokoban_visual, and the engine's log-probability of each sampled token is compared with the
+trainer's; `engine - base` is the gap to the trainer with its adapters switched off, the size of what
+the engine must carry.
 """
 
 from __future__ import annotations
@@ -157,9 +159,10 @@ def main(argv=None) -> int:
         f"model.path={path}", "model.dtype=bfloat16", f"rollout.max_turns={args.turns}",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0"])
     seeds = train_seeds(0, args.groups)
-    decoder = VLLMDecoder(path, encoder, dtype="bfloat16", seed=0)
+    engines = {"merged": VLLMDecoder(path, encoder, dtype="bfloat16", seed=0),
+               "served": VLLMDecoder(path, encoder, dtype="bfloat16", seed=0, lora_rank=RANK)}
 
-    def gaps_of(policy, base=None):
+    def gaps_of(policy, decoder, base=None):
         engine, lost = [], []
         for sample_seed in range(args.seeds):
             episodes = play(policy, encoder, decoder, cfg, seeds, args.group_size, sample_seed)
@@ -168,21 +171,25 @@ def main(argv=None) -> int:
                 lost.append(sampled_gaps(base, encoder, episodes, 1.0))
         return torch.cat(engine), (torch.cat(lost) if lost else None)
 
-    reference, _ = gaps_of(model)
+    reference = {kind: gaps_of(model, decoder)[0] for kind, decoder in engines.items()}
     print(f"\nPart 2: tiny Qwen2.5-VL in bfloat16, sokoban_visual, {args.seeds} x {args.groups} x {args.group_size} "
-          f"rollouts of {args.turns} turns; engine-trainer |log-prob gap| over sampled tokens")
-    print(f"no LoRA: mean {reference.mean():.2e}, p99 {reference.quantile(0.99):.2e}, max {reference.max():.2e} "
-          f"over {reference.numel()} tokens")
-    print("| B entries (~Adam steps at lr 1e-5) | merged weights exactly W | gap mean: LoRA / no LoRA | "
-          "gap max: LoRA / no LoRA | engine - base, mean (what the adapters change) |")
+          f"rollouts of {args.turns} turns; mean engine-trainer |log-prob gap| over sampled tokens")
+    for kind, gaps in reference.items():
+        print(f"no LoRA, {kind} engine{' (LoRA enabled, no adapter)' if kind == 'served' else ''}: mean "
+              f"{gaps.mean():.2e}, max {gaps.max():.2e} over {gaps.numel()} tokens")
+    print("| B entries (~Adam steps at lr 1e-5) | merged weights exactly W | gap, merged (x no LoRA) | "
+          "gap, served as adapters (x no LoRA) | engine - base (what the adapters change) |")
     print("| --- | --- | --- | --- | --- |")
     for b in sizes:
         adapted = with_adapters(model, path, b)
-        gaps, lost = gaps_of(adapted, base=model)
-        # engine - base: the engine's log-probs against the trainer's without adapters
-        print(f"| {b:.0e} (~{b / 1e-5:,.0f}) | {merged_share_equal(adapted):.1%} | {gaps.mean():.2e} / "
-              f"{reference.mean():.2e} | {gaps.max():.2e} / {reference.max():.2e} | {lost.mean():.2e} |", flush=True)
-    decoder.close()
+        merged, _ = gaps_of(adapted, engines["merged"])
+        served, lost = gaps_of(adapted, engines["served"], base=model)
+        ratio = {kind: gaps.mean() / reference[kind].mean() for kind, gaps in (("merged", merged), ("served", served))}
+        print(f"| {b:.0e} (~{b / 1e-5:,.0f}) | {merged_share_equal(adapted):.1%} | {merged.mean():.2e} "
+              f"({ratio['merged']:.2f}x) | {served.mean():.2e} ({ratio['served']:.2f}x) | {lost.mean():.2e} |",
+              flush=True)
+    for decoder in engines.values():
+        decoder.close()
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
