@@ -70,7 +70,8 @@ def test_assets_names_a_shipped_warm_start(tiny_text, tmp_path, monkeypatch):
     vagen.config.load_config("sokoban_text", ["model.path=assets:mini_text"])  # the config knows it too
     for wrong in ("assets:mini_txt", "assets:unfinished"):
         with pytest.raises(ValueError, match=rf"model.path='{wrong}' is not a shipped warm start .*"
-                                             r"choices: builtin:tiny-vl, builtin:tiny-text, assets:mini_text"):
+                                             r"choices: builtin:tiny-vl, builtin:tiny-qwen3-vl, builtin:tiny-qwen3.5, builtin:tiny-text, "
+                                             r"assets:mini_text"):
             resolve_model_path(wrong)
     with pytest.raises(vagen.config.ConfigError, match=r"did you mean 'assets:mini_text'"):
         vagen.config.load_config("sokoban_text", ["model.path=assets:mini_txt"])

@@ -315,7 +315,7 @@ class ConfigError(ValueError):
     """A configuration mistake; the message says what was received and how to fix it."""
 
 
-BUILTIN_MODELS = ("builtin:tiny-vl", "builtin:tiny-text")
+BUILTIN_MODELS = ("builtin:tiny-vl", "builtin:tiny-qwen3-vl", "builtin:tiny-qwen3.5", "builtin:tiny-text")
 
 
 def checkpoints_dir() -> Path:

@@ -52,7 +52,14 @@ import torch
 from vagen.decoding import STOP_STRING, Generated, Sampling, request_seed
 from vagen.distributed import gathered
 from vagen.episode import ChatEncoder, Episode
-from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, has_adapters, without_wrapper
+from vagen.models import (
+    CENTER_IMAGE_TOKENS,
+    FAMILIES,
+    IMAGE_POSITION_CODE,
+    family_of,
+    has_adapters,
+    without_wrapper,
+)
 
 # Engine settings, read from the `vllm` config section where it exists (see `settings_from`).
 DEFAULT_SETTINGS = {
@@ -86,25 +93,19 @@ def refuse_image_hooks(checkpoint: Path) -> None:
             f"or rollout.backend=hf, which runs the hooks.")
 
 
-# Checkpoints saved by `config.save_pretrained` alone (the built-ins) name no architecture; vLLM needs one.
-ARCHITECTURES = {
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+# Checkpoints saved by `config.save_pretrained` alone (the built-ins) name no architecture; vLLM needs one,
+# which the checkpoint's model family knows.
+ARCHITECTURES = {model_type: family.architecture(model_type) for family in FAMILIES for model_type in family.model_types}
 
 
 def architecture_override(checkpoint: Path) -> dict:
-    """vLLM's `hf_overrides` naming the checkpoint's architecture when its config.json names none."""
+    """vLLM's `hf_overrides` naming the checkpoint's architecture when its config.json names none. A model
+    family vagen does not know is refused (`vagen.models.family_of`)."""
     config = json.loads((Path(checkpoint) / "config.json").read_text())
+    family = family_of(config)
     if config.get("architectures"):
         return {}
-    model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"{checkpoint}/config.json names no architectures and its model_type {model_type!r} is "
-                         f"not one vagen knows ({sorted(ARCHITECTURES)}); add \"architectures\": [\"...\"] to it")
-    return {"architectures": [ARCHITECTURES[model_type]]}
+    return {"architectures": [family.architecture(config["model_type"])]}
 
 
 def cpu_binding(workers: int) -> str:
@@ -195,6 +196,8 @@ class VLLMDecoder:
             # token budget. Whole prompts per step instead.
             options["enable_chunked_prefill"] = False
             options["max_num_batched_tokens"] = int(self.settings["max_model_len"])
+        # What the family's kernels need over these (Qwen3.5's linear layers: chunked prefill under prefix caching)
+        options.update(family_of(self.checkpoint).vllm_options(self.on_gpu))
         if encoder.is_vision:
             size = encoder.processor.image_processor.size
             # The encoder's pixel bounds (model.min_pixels/max_pixels included): frames resized under
