@@ -267,17 +267,19 @@ class TextActionEnv:
                 if terminated or truncated:
                     break
         self.done = self.done or terminated or truncated
-        format_ok = parsed.ok and all_valid and len(actions) > 0
+        # format ok: the response parsed into the prompt format's fields; action valid: besides, its answer
+        # named at least one action and every considered action was legal. The format reward pays the second.
+        action_is_valid = parsed.ok and all_valid and len(actions) > 0
         if was_done:
             pass  # an ended episode pays nothing, whatever the response
-        elif format_ok:
+        elif action_is_valid:
             reward += self.format_reward
         elif not parsed.ok:
             reward -= self.format_penalty
         info = {
             "success": self._success(),
-            "format_ok": format_ok,
-            "action_is_valid": parsed.ok and all_valid and len(actions) > 0,
+            "format_ok": parsed.ok,
+            "action_is_valid": action_is_valid,
             "action_is_effective": effective,
             "actions": executed,
             "parsed": parsed.fields(),
@@ -393,7 +395,7 @@ class TextActionEnv:
 
     def _turn_prompt(self, info: dict[str, Any]) -> str:
         executed = ", ".join(info["actions"]) or "none"
-        if not info["format_ok"]:
+        if not info["action_is_valid"]:
             return (
                 "Your response did not follow the required format or named an invalid action. "
                 f"Executed actions: {executed}. Current observation:"

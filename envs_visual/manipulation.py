@@ -637,7 +637,7 @@ class ManipulationEnv(TextActionEnv):
     def _turn_prompt(self, info: dict[str, Any]) -> str:
         done = "\n".join(self.messages) or "No actions executed."
         self.messages, self.turn_time = [], 0.0
-        warning = ("" if info["format_ok"] else
+        warning = ("" if info["action_is_valid"] else
                    "Your response did not follow the required format or held an invalid action. ")
         listing = f"\n{self._describe()}" if self.render_mode == "vision" else ""
         return f"{warning}{done}\n{self.level.instruction}{listing}\nCurrent observation:"

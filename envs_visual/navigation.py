@@ -498,7 +498,7 @@ class NavigationEnv(TextActionEnv):
     def _turn_prompt(self, info: dict[str, Any]) -> str:
         done = ", ".join(f"{a} (blocked)" if a in MOVES and not ok else a for a, ok in self._turn_log) or "none"
         self._turn_log = []
-        warning = ("" if info["format_ok"] else
+        warning = ("" if info["action_is_valid"] else
                    "Your response did not follow the required format or named an invalid action. ")
         return f"{warning}Executed actions: {done}.\n{self.level.instruction}\nCurrent observation:"
 

@@ -178,28 +178,29 @@ def test_execution_stops_at_first_invalid_action_without_format_reward():
     env = sokoban()
     _, reward, _, _, info = env.step("<think>t</think><answer>Right, Jump, Left</answer>")
     assert info["actions"] == ["Right"]
-    assert not info["format_ok"] and not info["action_is_valid"]
+    assert info["format_ok"] and not info["action_is_valid"]  # it parses, but "Jump" is no action
     assert reward == pytest.approx(-0.1)
     assert env.state()["player"] == (2, 4)
 
 
 @pytest.mark.parametrize(
-    "response",
+    "response, parses",
     [
-        "Left",
-        "<think>t</think><answer></answer>",
-        "<think>t</think><answer>Left Up</answer>",
-        "",
-        "<answer>Left",
+        ("Left", False),
+        ("<think>t</think><answer></answer>", True),  # the format holds, the answer names no action
+        ("<think>t</think><answer>Left Up</answer>", True),  # the format holds, "Left Up" is no action
+        ("", False),
+        ("<answer>Left", False),
     ],
 )
-def test_bad_response_takes_no_action_and_no_reward(response):
+def test_bad_response_takes_no_action_and_no_reward(response, parses):
     env = sokoban()
     before = (env.state(), env.render_text())
     obs, reward, terminated, truncated, info = env.step(response)
     assert (env.state(), env.render_text()) == before
     assert reward == 0.0 and not terminated and not truncated
-    assert not info["format_ok"] and info["actions"] == [] and not info["action_is_effective"]
+    assert info["format_ok"] == parses
+    assert not info["action_is_valid"] and info["actions"] == [] and not info["action_is_effective"]
     assert "did not follow" in obs.text
 
 
@@ -232,7 +233,7 @@ def test_non_string_response_never_raises():
 def test_action_text_is_never_evaluated():
     env = sokoban()
     _, _, _, _, info = env.step("<think>t</think><answer>__import__('os').system('false')</answer>")
-    assert info["actions"] == [] and not info["format_ok"]
+    assert info["actions"] == [] and info["format_ok"] and not info["action_is_valid"]
 
 
 def test_max_steps_counts_executed_actions():

@@ -192,3 +192,25 @@ def test_a_checkpoint_outside_a_run_needs_a_config(tiny_vl, capsys):
     assert err.rstrip().endswith("pass the config it plays, e.g. --config sokoban_visual")
     assert main(["--checkpoint", "assets:frozenlake_text"]) == 2  # a shipped warm start: its card names the config
     assert capsys.readouterr().err.rstrip().endswith("e.g. --config frozenlake_text")
+
+
+def test_format_ok_counts_parsed_responses_and_action_valid_the_legal_ones():
+    """A parsed response naming an unknown action is format ok but not action valid, and earns no format reward."""
+    from vagen.episode import Episode, Turn
+    from vagen.eval import episode_record
+    from vagen.rollout import rollout_metrics
+
+    env = envs_visual.make("sokoban", **load_config("sokoban_visual").env.params)
+    env.reset(seed=5)
+    played = []
+    for response in ("<think>t</think><answer>Left</answer>", "<think>t</think><answer>Jump</answer>", "Left"):
+        _, reward, _, _, info = env.step(response)
+        played.append((response, reward, info))
+    assert [(i["format_ok"], i["action_is_valid"]) for _, _, i in played] == [(True, True), (True, False), (False, False)]
+    assert played[1][1] == 0.0  # parsed, but no action: neither format reward nor step penalty
+    record = episode_record(5, [{"reward": r, "info": i} for _, r, i in played], success=False)
+    assert (record["format_ok"], record["action_valid"]) == (pytest.approx(2 / 3), pytest.approx(1 / 3))
+    episode = Episode("sokoban", 5, 0, "", turns=[Turn("", [], text, r, i, (0, 0), 1) for text, r, i in played])
+    metrics = rollout_metrics([episode])
+    assert metrics["rollout/format_ok"] == pytest.approx(2 / 3)
+    assert metrics["rollout/action_valid"] == pytest.approx(1 / 3)

@@ -361,7 +361,7 @@ def test_ten_thousand_fuzzed_action_strings_never_raise():
             if not parse_response(response, prompt_format).ok:  # e.g. a tag inside the answer
                 assert info["actions"] == [] and env.state() == before
             elif not ok:
-                assert info["actions"] == actions and not info["format_ok"]
+                assert info["actions"] == actions and info["format_ok"] and not info["action_is_valid"]
                 if not actions:
                     assert env.state() == before
         if env.done:

@@ -55,7 +55,7 @@ def test_bandit_unknown_arm_is_invalid_and_keeps_the_episode():
     env = envs_visual.make("bandit")
     env.reset(seed=3)
     _, reward, terminated, _, info = env.step(answer("Unicorn"))
-    assert reward == 0.0 and not terminated and not info["format_ok"] and env.state()["pulled"] is None
+    assert reward == 0.0 and not terminated and info["format_ok"] and not info["action_is_valid"] and env.state()["pulled"] is None
 
 
 def test_bandit_only_first_pull_counts():
@@ -139,7 +139,7 @@ def test_countdown_format_reward_and_invalid_answers():
     obs, _ = env.reset(seed=1)
     assert "Numbers:" in obs.text and "Target:" in obs.text
     _, reward, terminated, _, info = env.step(answer("seven times three"))
-    assert reward == 0.0 and not terminated and not info["format_ok"] and env.state()["answer"] is None
+    assert reward == 0.0 and not terminated and info["format_ok"] and not info["action_is_valid"] and env.state()["answer"] is None
     _, reward, terminated, _, info = env.step(answer("1 / 0"))
     assert reward == pytest.approx(0.5) and terminated and info["format_ok"] and info["value"] is None
 

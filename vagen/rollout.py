@@ -249,7 +249,11 @@ def rollout_metrics(episodes: list[Episode], graded: tuple[str, ...] = ()) -> di
     """Means over episodes of success, return, turns, format and validity rates, response length, and the
     state scores of graded fields (after the state reward's repetition check, when it ran): for the
     `graded` keys (`graded_scores`) over every turn, a turn whose description did not parse counting 0,
-    so the curve exists from the first iteration; for others over the turns that have them."""
+    so the curve exists from the first iteration; for others over the turns that have them.
+
+    Per turn (docs/environments.md, "Format ok and action valid"): `rollout/format_ok` is the share whose
+    response parsed into the prompt format's fields, `rollout/action_valid` the share that also named at
+    least one action and only legal ones (the turns the format reward pays), so action_valid <= format_ok."""
     def mean(values):
         values = list(values)
         return float(sum(values) / len(values)) if values else 0.0
