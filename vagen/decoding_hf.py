@@ -24,7 +24,12 @@ same order as the others' (the vision tower included when another rank feeds fra
 is done.
 
 With `keep_cache=False` (`rollout.reuse_cache=false`) the cache is dropped before every turn, so each
-turn runs the whole history again: the same numbers, for models or setups without a usable cache.
+turn runs the whole history again: the same numbers, for models or setups without a usable cache. A model
+family whose padding is not inert (`Family.inert_padding`: Qwen3.5, whose linear-attention layers keep a
+convolution window and a recurrent state that every fed token moves) always runs so: padding between
+turns and the padding tokens fed to stopped rows would move those states. Within a turn the cache is
+exact for them too: left padding before any real token leaves a zero state zero, and a stopped row's
+state is never read again before the cache goes.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from PIL import Image
 
 from vagen.decoding import Generated, Sampling, draw, ends_turn
 from vagen.distributed import Lockstep
-from vagen.models import cache_argument, rope_positions, without_wrapper
+from vagen.models import cache_argument, family_of, rope_positions, select_rows, without_wrapper
 
 
 def idle_inputs(encoder, with_image: bool) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
@@ -53,7 +58,8 @@ class HFDecoder:
     (see the module docstring). Implements `vagen.decoding.Decoder`."""
 
     def __init__(self, model, encoder, keep_cache: bool = True):
-        self.model, self.encoder, self.keep_cache = model, encoder, keep_cache
+        self.model, self.encoder = model, encoder
+        self.keep_cache = keep_cache and family_of(model).inert_padding
         self.lockstep = Lockstep(model)
         self.device = self.lockstep.device
         self.cache_arg = cache_argument(type(without_wrapper(model)))  # a LoRA policy's wrapper passes it on
@@ -129,7 +135,7 @@ class HFDecoder:
                              f"left the generation cannot come back")
         keep = torch.tensor([where[r] for r in rows], dtype=torch.long)
         keep = keep.to(self.device)
-        self.cache.batch_select_indices(keep)
+        select_rows(self.cache, keep)
         self.mask = self.mask[keep]
         for r in set(self.rows) - set(rows):
             self.fed.pop(r, None)
