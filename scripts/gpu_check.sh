@@ -39,8 +39,10 @@ if ! "$PY" -c "import deepspeed, vllm, vagen" 2>/dev/null; then
     whole="${first%.part-aa}"
     [ -e "$whole" ] || cat "${whole}".part-* > "$whole"
   done
-  "$PY" -m pip install -q --no-index --find-links "$WHEELS" -r "$WHEELS/requirements.txt" \
+  # Every wheel of the folder, without resolving: what the registry lacked is listed in $WHEELS/MISSING.
+  "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/*.whl \
     || { echo "gpu_check: installing from $WHEELS failed (see above)" >&2; exit 1; }
+  [ -s "$WHEELS/MISSING" ] && echo "gpu_check: not carried (not on the registry): $(tr '\n' ' ' < "$WHEELS/MISSING")"
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e "$ROOT" \
     || { echo "gpu_check: installing vagen failed" >&2; exit 1; }
 fi
@@ -66,7 +68,19 @@ torch.cuda.synchronize(); start, end = torch.cuda.Event(enable_timing=True), tor
 start.record()
 for _ in range(20): y.copy_(x)
 end.record(); torch.cuda.synchronize()
-print(json.dumps({"bytes_per_s": 2 * 20 * x.numel() / (start.elapsed_time(end) / 1e3)}))
+row = {"bytes_per_s": 2 * 20 * x.numel() / (start.elapsed_time(end) / 1e3)}
+# vLLM's sampling step for 128 requests at Qwen's vocabulary, without and with a seed per request
+# (vllm.seeded_requests: each seeded row draws its noise in a loop of its own)
+from vllm.v1.sample.ops.topk_topp_sampler import random_sample
+probs = torch.randn(128, 151_936, device="cuda").softmax(-1)
+generators = {i: torch.Generator(device="cuda").manual_seed(i) for i in range(128)}
+for name, gens in (("sample_ms_unseeded", {}), ("sample_ms_seeded", generators)):
+    for _ in range(3): random_sample(probs, gens)
+    torch.cuda.synchronize(); start.record()
+    for _ in range(50): random_sample(probs, gens)
+    end.record(); torch.cuda.synchronize()
+    row[name] = start.elapsed_time(end) / 50
+print(json.dumps(row))
 PYEOF
 
 SIZE=(--shape 3b --groups 8 --group-size 8 --turns 2 --max-new-tokens 128 --iterations 3)
@@ -85,7 +99,10 @@ sys.path.insert(0, ".")
 from benchmarks.bench_gpu import decode_bytes
 logs = Path(sys.argv[1])
 bandwidth = json.loads((logs / "bandwidth.json").read_text())["bytes_per_s"]
-print(f"\ndevice-to-device copy: {bandwidth / 1e12:.2f} TB/s (bytes read + written)")
+measured = json.loads((logs / "bandwidth.json").read_text())
+print(f"\ndevice-to-device copy: {bandwidth / 1e12:.2f} TB/s (bytes read + written); vLLM's sampling step for 128 "
+      f"requests at a 151,936 vocabulary: {measured['sample_ms_unseeded']:.2f} ms unseeded, "
+      f"{measured['sample_ms_seeded']:.2f} ms with a seed per request")
 print("| backend | s / iteration | generate s | generated tok/s | bound tok/s | share | update tok/s | sync s | peak GiB |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for backend in ("hf", "vllm"):

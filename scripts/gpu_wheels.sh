@@ -50,12 +50,18 @@ open(out, "w").write("\n".join(kept) + "\n")
 print(f"[gpu_wheels] {len(kept)} requirements of vllm {version} to carry")
 PYEOF
 pip download -q --no-deps "${PLATFORM[@]}" -d "$OUT" "vllm==$VLLM"
-# Their own requirements, resolved against the image's torch: downloaded as wheels too.
-pip download -q "${PLATFORM[@]}" -d "$OUT" -r "$REQS" "torch==2.11.0" "torchvision==0.26.0" "torchaudio==2.11.0"
+# Their own requirements, resolved against the image's torch, one at a time: a requirement the registry
+# cannot satisfy is listed in MISSING and left out (vLLM imports most of them only for the features that
+# use them: structured outputs, the API server, other kernels).
+: > "$OUT/MISSING"
+while read -r req; do
+  [ -n "$req" ] || continue
+  pip download -q "${PLATFORM[@]}" -d "$OUT" "$req" "torch==2.11.0" "torchvision==0.26.0" "torchaudio==2.11.0" \
+    2>/dev/null || { echo "$req" >> "$OUT/MISSING"; echo "[gpu_wheels] not available here: $req"; }
+done < "$REQS"
 for name in torch torchvision torchaudio triton 'nvidia_*'; do rm -f "$OUT"/${name}-*.whl; done
 echo "[gpu_wheels] deepspeed==$DEEPSPEED (a wheel built here; pure Python, its ops compiled on first use)"
 pip wheel -q --no-deps -w "$OUT" "deepspeed==$DEEPSPEED"
-{ echo "vllm==$VLLM"; echo "deepspeed==$DEEPSPEED"; } > "$OUT/requirements.txt"
 for wheel in "$OUT"/*.whl; do
   if [ "$(stat -c %s "$wheel")" -gt $((60 * 2**20)) ]; then
     split -b 60M "$wheel" "$wheel.part-" && rm "$wheel"

@@ -84,6 +84,7 @@ def gpu_decoder(monkeypatch, free: int, footprint: int):
     decoder = object.__new__(dv.VLLMDecoder)
     decoder.settings = {**dv.DEFAULT_SETTINGS}
     decoder.on_gpu, decoder.asleep, decoder.in_process, decoder.released_bytes = True, False, True, 0
+    decoder.lora_rank, decoder.lora_request, decoder.adapter_dir, decoder.adapters_loaded = 0, None, None, 0
     decoder.llm = FakeEngine(gpu, footprint)
     return decoder, gpu, torch.nn.Linear(2, 2)
 
