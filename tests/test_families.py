@@ -3,6 +3,7 @@ exactly on its built-in tiny model (Qwen3-VL and Qwen3.5 here; Qwen2.5-VL and th
 the rest of the suite runs on); an unknown family is refused before any work."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,10 +124,10 @@ def test_the_trainers_logprobs_of_a_three_turn_episode_equal_a_plain_forward(nam
 
 
 def _play(model, processor, reuse, decoder=None):
-    cfg = load_config("frozenlake_visual", ["rollout.max_new_tokens=10", "rollout.max_turns=3",
+    cfg = load_config("frozenlake_visual", ["rollout.max_new_tokens=8", "rollout.max_turns=3",
                                             f"rollout.reuse_cache={reuse}", "rollout.temperature=1.0"])
     torch.manual_seed(0)
-    episodes, _ = rollout(model, ChatEncoder(processor), cfg, [3, 4], 2, decoder=decoder)
+    episodes, _ = rollout(model, ChatEncoder(processor), cfg, [3], 3, decoder=decoder)
     return episodes
 
 
@@ -140,7 +141,7 @@ def test_the_hf_decoder_gives_the_episodes_of_generate_over_the_whole_history(na
     assert HFDecoder(model, ChatEncoder(processor)).keep_cache == (name == "builtin:tiny-qwen3-vl")
     whole = _play(model, processor, True, decoder=GenerateDecoder(model, ChatEncoder(processor)))
     assert all(len(ep.turns) == 3 for ep in whole)
-    for reuse in (True, False):
+    for reuse in (True, False) if name == "builtin:tiny-qwen3-vl" else (True,):
         played = _play(model, processor, reuse)
         assert [ep.input_ids for ep in played] == [ep.input_ids for ep in whole]
 
@@ -179,7 +180,7 @@ def test_the_shared_prefix_forward_equals_the_plain_one_with_and_without_gradien
     plain = model(**inputs, use_cache=False).logits[:, positions]
     for grad in (False, True):
         calls = []
-        hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+        hook = model.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
         try:
             with torch.set_grad_enabled(grad):
                 shared = forward_shared_prefix(model, inputs, logits_to_keep=positions)
@@ -222,8 +223,8 @@ def test_qwen3_5s_default_lora_targets_cover_its_linear_attention_layers(tiny):
 @pytest.mark.parametrize("name", NEW)
 def test_two_iterations_train_with_the_critic_and_lora(name, tmp_path, distributed, model_cache):
     overrides = [f"model.path={name}", f"model.builtin_cache={model_cache}", "model.lora_rank=8",
-                 "model.freeze_vision=false", "train.iterations=2", "rollout.env_groups=2", "rollout.group_size=2",
-                 "rollout.max_new_tokens=8", "rollout.max_turns=2", "train.mini_batch_size=4",
+                 "model.freeze_vision=false", "train.iterations=2", "rollout.env_groups=1", "rollout.group_size=2",
+                 "rollout.max_new_tokens=6", "rollout.max_turns=2", "train.mini_batch_size=2",
                  "train.micro_batch_size=2", "log.progress=false", "log.tensorboard=false", "algo.kl_coef=0.1",
                  f"train.run_dir={tmp_path}", "train.run_name=run", "train.save_every=0"]
     assert vagen.train.main(["--config", "sokoban_visual", *overrides]) == 0
@@ -231,3 +232,14 @@ def test_two_iterations_train_with_the_critic_and_lora(name, tmp_path, distribut
     assert [r["iteration"] for r in records] == [0, 1]
     assert all(np.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 and np.isfinite(r["critic/vf_loss"])
                for r in records), records
+
+
+@pytest.mark.slow
+def test_two_iterations_train_under_zero3_on_two_ranks(tmp_path, model_cache):
+    from test_zero3 import _launch
+
+    _launch(2, tmp_path, model_cache, Path(__file__).parent / "families_zero3_worker.py", timeout=900)
+    for name in NEW:
+        records = [json.loads(line) for line in (tmp_path / name.split(":")[1] / "metrics.jsonl").read_text().splitlines()]
+        assert [r["iteration"] for r in records] == [0, 1], name
+        assert all(np.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in records), (name, records)
