@@ -19,8 +19,12 @@ Weights follow training through `sync_weights(model)`: the actor's parameters ar
 engine by vLLM's in-place reload, a group of whole layers at a time (under ZeRO-3 each group is
 gathered with `GatheredParameters`, never the whole model at once), then the prefix and encoder caches
 are reset, so no key, value or image embedding of the old weights is reused. A LoRA policy (a peft
-model) is loaded merged: each adapted layer's weight W + scale B A under the base model's names,
-computed beside the trained model, which is left as it is; the engine samples the adapted policy. On a
+model) is served as adapters, as the trainer computes it (W x + scale B (A x)): an engine built with
+`lora_rank` (what `from_config` does for a LoRA run) runs vLLM's LoRA support, is given the base
+weights unmerged and, at each sync, the adapters as a new adapter (written to a temporary folder, which
+vLLM loads by path), which every request names. Merging W + scale B A into one tensor of W's dtype would
+round, in bfloat16, every element whose change is under half a step of W back to W (docs/training.md,
+"vLLM rollouts"); an engine built without `lora_rank` is still given the merged weights. On a
 GPU, `sleep()` releases the engine's memory while the update runs (vLLM's sleep level 2: the KV cache and
 the weights are dropped, not copied to the host, since the sync overwrites the weights anyway), and
 `sync_weights` brings it back in the order that keeps the peak low: the weights' memory first, then the
@@ -70,6 +74,7 @@ DEFAULT_SETTINGS = {
     "sleep_mode": True,
     "cpu_kv_cache_gib": 1.0,
     "sync_group_mb": 512,
+    "seeded_requests": True,
 }
 
 
@@ -136,7 +141,7 @@ class VLLMDecoder:
     `vagen.decoding.Decoder`; `sync_weights`, `sleep` and `wake_up` keep it in step with training."""
 
     def __init__(self, checkpoint: str | Path, encoder: ChatEncoder, *, dtype: str = "float32", seed: int = 0,
-                 **settings):
+                 lora_rank: int = 0, **settings):
         unknown = sorted(set(settings) - set(DEFAULT_SETTINGS))
         if unknown:
             raise ValueError(f"unknown vLLM settings {unknown}; known: {sorted(DEFAULT_SETTINGS)}")
@@ -198,6 +203,9 @@ class VLLMDecoder:
             options["max_num_batched_tokens"] = int(self.settings["max_model_len"])
         # What the family's kernels need over these (Qwen3.5's linear layers: chunked prefill under prefix caching)
         options.update(family_of(self.checkpoint).vllm_options(self.on_gpu))
+        self.lora_rank, self.lora_request, self.adapter_dir, self.adapters_loaded = int(lora_rank), None, None, 0
+        if self.lora_rank > 0:
+            options.update(enable_lora=True, max_lora_rank=lora_rank_slot(self.lora_rank), max_loras=1)
         if encoder.is_vision:
             size = encoder.processor.image_processor.size
             # The encoder's pixel bounds (model.min_pixels/max_pixels included): frames resized under
@@ -236,7 +244,8 @@ class VLLMDecoder:
         refuse_image_hooks(checkpoint)
         if encoder is None:
             encoder = ChatEncoder(load_policy(checkpoint, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)[1])
-        decoder = cls(checkpoint, encoder, dtype=cfg.model.dtype, seed=cfg.train.seed, **settings_from(cfg))
+        decoder = cls(checkpoint, encoder, dtype=cfg.model.dtype, seed=cfg.train.seed,
+                      lora_rank=cfg.model.lora_rank, **settings_from(cfg))
         if model is not None:
             decoder.sync_weights(model)
         return decoder
@@ -264,8 +273,11 @@ class VLLMDecoder:
             extra_args={SUPPRESS_ARG: list(self.encoder.suppress_ids)},  # masked by `SuppressTokens`
         )
         if sampling.do_sample:
-            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0),
-                           seed=request_seed(sampling.seed, row))
+            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))
+            if self.settings["seeded_requests"]:
+                # Each request draws from a generator of its own: what an episode samples does not depend on
+                # which requests share its batch. vLLM then draws each seeded row's noise in a loop of its own.
+                options["seed"] = request_seed(sampling.seed, row)
         else:
             options.update(temperature=0.0)
         return SamplingParams(**options)
@@ -288,7 +300,8 @@ class VLLMDecoder:
         if not episodes:
             return []
         outputs = self.llm.generate([self.prompt(ep) for ep in episodes],
-                                    [self.sampling_params(sampling, row) for row in rows], use_tqdm=False)
+                                    [self.sampling_params(sampling, row) for row in rows], use_tqdm=False,
+                                    lora_request=self.lora_request)
         generated = []
         for row, episode, output in zip(rows, episodes, outputs):
             if list(output.prompt_token_ids) != list(episode.input_ids):
@@ -322,25 +335,57 @@ class VLLMDecoder:
             self._wake(["weights"])
         module = unwrap(model)
         adapted = lora_layers(module)
+        # Served adapters (an engine built with `lora_rank`): the base weights go unmerged, the adapters into
+        # `adapters` as they are gathered. Without `lora_rank`, merged (`engine_weights`).
+        adapters = {} if adapted and self.lora_rank > 0 else None
+        rank = max((layer.r[a] for layer in adapted.values() for a in layer.lora_A), default=0)
+        if adapters is not None and rank > self.lora_rank:
+            raise ValueError(f"the policy's LoRA rank {rank} exceeds the rank {self.lora_rank} the vLLM engine was "
+                             f"built for; build it with VLLMDecoder(..., lora_rank={rank}) or VLLMDecoder.from_config")
         groups = list(weight_groups(without_wrapper(module), float(self.settings["sync_group_mb"]) * 2**20))
         if self.in_process:
             # One reload over a generator: the engine pulls each group while it is gathered.
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _gathered_weights(groups, adapted),
-                                                              "is_checkpoint_format": True})
+            weights = _gathered_weights(groups, adapted, adapters)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         else:
             # Worker processes get each group serialised (vLLM's own messages carry no nested tensors);
             # layers outside a group keep their weights.
             for group in groups:
                 with gathered(_group_parameters(group, adapted)):
                     buffer = io.BytesIO()
-                    torch.save([(name, tensor.cpu()) for name, tensor in engine_weights(group, adapted)], buffer)
+                    torch.save([(name, tensor.cpu()) for name, tensor in engine_weights(group, adapted, adapters)],
+                               buffer)
                 self.llm.collective_rpc(_reload_serialized, args=(buffer.getvalue(),))
+        if adapters is not None or self.lora_request is not None:  # a policy without adapters drops the last
+            self._serve_adapters(adapters, module)
         self.llm.apply_model(_repack_tied_heads)
         if kv_asleep:
             self._wake(["kv_cache"])
         self.llm.reset_prefix_cache()  # keys and values of the old weights
         self.llm.llm_engine.reset_encoder_cache()  # image embeddings of the old weights
         return time.perf_counter() - start
+
+    def _serve_adapters(self, adapters: dict | None, module) -> None:
+        """Make `adapters` (peft-format names -> tensors; None: no adapter) the adapter every request from now
+        on runs: written to a new folder with the peft model's LoRA config, loaded by vLLM under a new id (an
+        id it has loaded before would be served from its cache), the previous one removed with its folder."""
+        import shutil
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        request = folder = None
+        if adapters is not None:
+            folder = Path(tempfile.mkdtemp(prefix="vagen_lora_"))
+            write_adapter(folder, adapters, module)
+            self.adapters_loaded += 1
+            request = LoRARequest(f"vagen-policy-{self.adapters_loaded}", self.adapters_loaded, str(folder))
+            self.llm.llm_engine.add_lora(request)
+        if self.lora_request is not None:
+            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+        if self.adapter_dir is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        self.lora_request, self.adapter_dir = request, folder
 
     def sleep(self) -> None:
         """Release the engine's GPU memory while the update runs: the KV cache and the weights dropped (sleep
@@ -375,6 +420,11 @@ class VLLMDecoder:
             else:
                 client.shutdown()
             self.llm = None
+        if self.adapter_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+            self.adapter_dir = None
 
 
 def placement(tensor_parallel: int, trainer_group: bool) -> dict:
@@ -452,14 +502,16 @@ def lora_layers(module) -> dict:
     return {name: layer for name, layer in without_wrapper(module).named_modules() if isinstance(layer, LoraLayer)}
 
 
-def engine_weights(group, adapted: dict):
+def engine_weights(group, adapted: dict, adapters: dict | None = None):
     """(name, tensor) pairs as the engine loads them, from a group of `weight_groups` whose parameters are
     whole on this rank. A model without adapters gives its parameters as they are. A peft model gives the
     policy its adapters compute, under the base model's names: an adapted layer's weight merged, W + scale
     B A for each active adapter (peft's own `get_delta_weight`), into a new tensor (the trained model is
     not modified); `.base_layer` left out of names; the adapters themselves left out; of a module peft
     trains whole (`modules_to_save`, the vision tower with `model.freeze_vision=false`), the trained copy
-    under the original's name, and the original (which the reference runs) left out."""
+    under the original's name, and the original (which the reference runs) left out. Given `adapters` (a
+    dict), the adapted layers' weights are left unmerged and their adapters' tensors are put in it instead,
+    under peft's names (`adapter_tensors`), for the engine to serve as an adapter."""
     for name, param in group:
         parts = name.split(".")
         if any(part.startswith("lora_") for part in parts) or "original_module" in parts:
@@ -467,7 +519,9 @@ def engine_weights(group, adapted: dict):
         tensor = param.data.detach()
         if parts[-2:-1] == ["base_layer"] and ".".join(parts[:-2]) in adapted:
             layer = adapted[".".join(parts[:-2])]
-            if parts[-1] == "weight" and not layer.merged:
+            if parts[-1] == "weight" and adapters is not None:
+                adapters.update(adapter_tensors(".".join(parts[:-2]), layer))
+            elif parts[-1] == "weight" and not layer.merged:
                 for adapter in layer.active_adapters:
                     if adapter in layer.lora_A:
                         tensor = tensor + layer.get_delta_weight(adapter)
@@ -490,11 +544,51 @@ def _group_parameters(group, adapted: dict) -> list:
     return list(params.values())
 
 
-def _gathered_weights(groups, adapted: dict):
+def _gathered_weights(groups, adapted: dict, adapters: dict | None = None):
     """`engine_weights` of every group, each group's parameters gathered (ZeRO-3) while they are read."""
     for group in groups:
         with gathered(_group_parameters(group, adapted)):
-            yield from engine_weights(group, adapted)
+            yield from engine_weights(group, adapted, adapters)
+
+
+# The ranks vLLM 0.32 can serve adapters of (`LoRAConfig.max_lora_rank`).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of `rank`."""
+    fits = [slot for slot in VLLM_LORA_RANKS if slot >= rank]
+    if not fits:
+        raise ValueError(f"model.lora_rank={rank}: vLLM serves adapters of rank {VLLM_LORA_RANKS[-1]} at most; "
+                         f"use a smaller model.lora_rank, or rollout.backend=hf")
+    return fits[0]
+
+
+def adapter_tensors(name: str, layer) -> dict:
+    """The active adapter of the LoRA layer at `name` (in the base model) under the names peft saves it
+    with (`base_model.model.<name>.lora_A.weight`, `...lora_B.weight`), copied to the CPU: they must
+    outlive the gathering of ZeRO-3."""
+    active = [adapter for adapter in layer.active_adapters if adapter in layer.lora_A]
+    if len(active) != 1:
+        raise ValueError(f"LoRA layer {name} has active adapters {active}; vLLM serves one adapter per request, so "
+                         f"activate exactly one (peft's set_adapter)")
+    adapter = active[0]
+    return {f"base_model.model.{name}.lora_A.weight": layer.lora_A[adapter].weight.detach().cpu().clone(),
+            f"base_model.model.{name}.lora_B.weight": layer.lora_B[adapter].weight.detach().cpu().clone()}
+
+
+def write_adapter(folder: Path, adapters: dict, module) -> None:
+    """`adapters` (`adapter_tensors`) and the LoRA config of the peft model `module` as peft saves an
+    adapter (adapter_model.safetensors, adapter_config.json) in `folder`, which vLLM loads. The config names
+    no `modules_to_save`: a module trained whole reaches the engine as weights (`engine_weights`)."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(module.peft_config[module.active_adapter])
+    config.modules_to_save = None
+    config.save_pretrained(str(folder))
+    save_file({name: tensor.contiguous() for name, tensor in adapters.items()}, str(folder / "adapter_model.safetensors"))
 
 
 # Engine cores running in this process: vLLM's parallel state (its process groups) is one per process,
