@@ -138,7 +138,7 @@ def unwrap(model):
 
 class VLLMDecoder:
     """A rank's vLLM engine over `checkpoint`, decoding turns of `vagen.episode.Episode`s. Implements
-    `vagen.decoding.Decoder`; `sync_weights`, `sleep` and `wake_up` keep it in step with training."""
+    `vagen.decoding.Decoder`; `sync_weights` and `sleep` keep it in step with training."""
 
     def __init__(self, checkpoint: str | Path, encoder: ChatEncoder, *, dtype: str = "float32", seed: int = 0,
                  lora_rank: int = 0, **settings):
@@ -295,8 +295,8 @@ class VLLMDecoder:
     def generate(self, episodes: list[Episode], rows: list[int], sampling: Sampling) -> list[Generated]:
         assert len(episodes) == len(rows), f"{len(episodes)=} {len(rows)=}"
         if self.asleep:
-            raise RuntimeError("the vLLM engine is asleep (its memory released for the update); call wake_up() "
-                               "before generating")
+            raise RuntimeError("the vLLM engine is asleep: it dropped its weights and KV cache for the update; "
+                               "call sync_weights(model), which wakes it with the updated weights, before generating")
         if not episodes:
             return []
         outputs = self.llm.generate([self.prompt(ep) for ep in episodes],
@@ -396,12 +396,6 @@ class VLLMDecoder:
             self.llm.sleep(level=2)
             self.released_bytes = max(0, free_gpu_bytes() - free)
             self.asleep = True
-
-    def wake_up(self) -> None:
-        """Restore the engine's memory with the weights it had (`sync_weights` wakes it by itself, in the
-        order that keeps the peak low)."""
-        if self.asleep:
-            self._wake(["weights", "kv_cache"])
 
     def _wake(self, tags: list[str]) -> None:
         if "weights" in tags:  # checked once, for all the engine needs back, before any of it is taken
