@@ -10,6 +10,7 @@ in a config is reported in well under a second, before torch or DeepSpeed load.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import math
@@ -317,6 +318,9 @@ class ConfigError(ValueError):
 
 BUILTIN_MODELS = ("builtin:tiny-vl", "builtin:tiny-qwen3-vl", "builtin:tiny-qwen3.5", "builtin:tiny-text")
 
+# Set while `load_configs(..., require_checkpoint=False)` validates: a model.path directory may be absent.
+_CHECKPOINT_OPTIONAL: contextvars.ContextVar[bool] = contextvars.ContextVar("checkpoint_optional", default=False)
+
 
 def checkpoints_dir() -> Path:
     """assets/checkpoints: the warm starts the repository ships (`model.path=assets:NAME`)."""
@@ -413,7 +417,7 @@ def validate(cfg: Config) -> None:
     """Cross-field checks; each message says how to fix the problem."""
     _check_env(cfg.env)
     problem = model_path_error(cfg.model.path)
-    if problem:
+    if problem and not (_CHECKPOINT_OPTIONAL.get() and not cfg.model.path.startswith(("builtin:", "assets:"))):
         raise ConfigError(problem)
     for (section, key), choices in CHOICES.items():
         value = getattr(getattr(cfg, section), key)
@@ -599,6 +603,22 @@ def kept_groups(cfg: Config) -> int:
     return max(1, math.ceil(cfg.algo.filter_keep_ratio * cfg.rollout.env_groups - 1e-9))
 
 
+def check_ranks(cfg: Config, world_size: int) -> None:
+    """Refuse, before any work, batch sizes that do not share out evenly over `world_size` ranks."""
+    for key in ("rollout.env_groups", "train.mini_batch_size"):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value % world_size:
+            raise ConfigError(f"{key}={value} must be divisible by the {world_size} ranks (each rank plays and "
+                              f"trains an equal share); use a multiple of {world_size}")
+    kept = kept_groups(cfg)
+    if kept < world_size:
+        raise ConfigError(f"algo.filter_keep_ratio={cfg.algo.filter_keep_ratio} keeps {kept} of "
+                          f"rollout.env_groups={cfg.rollout.env_groups} level groups, fewer than the {world_size} "
+                          f"ranks that train them; raise rollout.env_groups or algo.filter_keep_ratio so that at "
+                          f"least {world_size} groups are kept")
+
+
 def check_training(cfg: Config) -> None:
     """Checks that apply to training only (evaluation may decode greedily or with a nucleus)."""
     ro = cfg.rollout
@@ -658,6 +678,30 @@ def check_training(cfg: Config) -> None:
     problem = missing_packages_error(cfg.log.trackers)  # before any work, not at the first log
     if problem:
         raise ConfigError(problem)
+
+
+def check_config(names: str | list[str] | None, overrides: list[str] | None, ranks: int) -> tuple[Config, list[str]]:
+    """Every check `vagen/train.py` runs before it loads a model, for `ranks` ranks, and the per-GPU memory
+    estimate of the model states (`vagen.memory`). A model.path directory that is not on this machine is
+    accepted, and its parameters counted from the published shape its name gives. Raises ConfigError."""
+    if ranks < 1:
+        raise ConfigError(f"--ranks {ranks}: the number of ranks (GPUs over all nodes) must be >= 1")
+    cfg = load_configs(names, overrides, require_checkpoint=False)
+    check_training(cfg)
+    check_ranks(cfg, ranks)
+    path = CONFIGS_DIR / cfg.train.deepspeed_config
+    if not path.is_file():
+        raise ConfigError(f"train.deepspeed_config={cfg.train.deepspeed_config}: no file {path}; choose one of "
+                          f"{', '.join(sorted(str(p.relative_to(CONFIGS_DIR)) for p in CONFIGS_DIR.glob('deepspeed/*')))}")
+    import json
+
+    from vagen.memory import estimate
+
+    lines = estimate(cfg, ranks, json.loads(path.read_text())).lines
+    if cfg.model.lora_rank > 0:
+        lines.append("  not checked here: model.lora_target_modules against the model's layers (train.py does, "
+                     "once the checkpoint loads)")
+    return cfg, lines
 
 
 # DeepSpeed keeps a frozen parameter that a checkpointed layer's recompute gathers until that layer's backward
@@ -836,27 +880,58 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
-def load_config(name_or_path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then `configs/<name>.yaml` (or a path), then `section.key=value` overrides."""
+def config_names(names: str | list[str] | None) -> list[str]:
+    """The configs `names` lists, in order: a name or path, a comma list of them, or a list of either."""
+    if not names:
+        return []
+    out = []
+    for entry in [names] if isinstance(names, str) else names:
+        if Path(entry).suffix in (".yaml", ".yml") and Path(entry).exists():  # a path is never split
+            out.append(entry)
+        else:
+            out += [part.strip() for part in entry.split(",") if part.strip()]
+    return out
+
+
+def load_configs(names: str | list[str] | None = None, overrides: list[str] | None = None,
+                 require_checkpoint: bool = True) -> Config:
+    """Defaults, then each config of `names` in order (`configs/<name>.yaml`, a path, or a comma list of
+    them; each sets only the keys it holds, over those before it), then `section.key=value` overrides.
+
+        load_configs(["sokoban_visual", "recipes/qwen2.5-vl-3b"], ["train.iterations=50"])
+
+    The config's name joins the files' names with `+` (sokoban_visual+qwen2.5-vl-3b); a run's saved
+    config.yaml holds every key and that name, so loading it alone reproduces the run. With
+    `require_checkpoint=False` a model.path that is a directory not on this machine is accepted (the
+    checks of `python -m vagen.config --ranks N` run where the checkpoint is not)."""
     raw: dict = {}
-    name = "default"
-    if name_or_path:
-        path = resolve_config_path(name_or_path)
-        name = path.stem
+    parts = []
+    for entry in config_names(names):
+        path = resolve_config_path(entry)
         data = yaml.safe_load(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of sections, received {type(data).__name__}")
-        if isinstance(data.get("name"), str):  # a run's saved config.yaml keeps the name of the config it came from
-            name = data.pop("name")
+        # a run's saved config.yaml keeps the name of the config(s) it came from
+        parts.append(data.pop("name") if isinstance(data.get("name"), str) else path.stem)
         for key, value in _flatten(data, str(path)):
             _apply(raw, key, value, str(path))
     for text in overrides or []:
         key, value = parse_override(text)
         _apply(raw, key, value, "command-line override")
-    return from_dict(raw, name)
+    token = _CHECKPOINT_OPTIONAL.set(not require_checkpoint)
+    try:
+        return from_dict(raw, "+".join(parts) or "default")
+    finally:
+        _CHECKPOINT_OPTIONAL.reset(token)
 
 
-def load_config_or_exit(name_or_path: str | None, overrides: list[str] | None = None) -> Config:
+def load_config(name_or_path: str | list[str] | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then `configs/<name>.yaml` (or a path, or several: `load_configs`), then `section.key=value`
+    overrides."""
+    return load_configs(name_or_path, overrides)
+
+
+def load_config_or_exit(name_or_path: str | list[str] | None, overrides: list[str] | None = None) -> Config:
     """`load_config` for command-line entry points: a config error is printed and exits with status 2."""
     try:
         return load_config(name_or_path, overrides)
@@ -919,13 +994,29 @@ def main(argv: list[str] | None = None) -> int:
         description="Print the resolved configuration (defaults, then the config file, then the overrides) with "
                     "the help text of every field; a mistake is reported as one line, before torch loads.",
         epilog=f"configs: {', '.join(available_configs())}")
-    parser.add_argument("config", nargs="?", help="name in configs/ or path of a YAML file")
+    parser.add_argument("config", nargs="?", help="name in configs/ or path of a YAML file (or a comma list)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.config is None:
+    parser.add_argument("--config", dest="more", action="append", default=[],
+                        help="a further config applied after the first, e.g. --config recipes/qwen2.5-vl-3b; repeat")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="run every check train.py runs for this many ranks (GPUs over all nodes) and print a "
+                             "per-GPU memory estimate instead of the config; a model.path not on this machine is "
+                             "accepted when its name is a known checkpoint")
+    args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    names = ([args.config] if args.config else []) + args.more
+    if not names:
         parser.print_help()
         return 0
-    print(to_yaml(load_config_or_exit(args.config, args.overrides), with_help=True), end="")
+    if args.ranks is None:
+        print(to_yaml(load_config_or_exit(names, args.overrides), with_help=True), end="")
+        return 0
+    try:
+        cfg, lines = check_config(names, args.overrides, args.ranks)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    print(f"{cfg.name}: every check train.py runs before loading the model passes for {args.ranks} rank(s)")
+    print("\n".join(lines))
     return 0
 
 

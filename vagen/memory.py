@@ -1,0 +1,203 @@
+"""Per-GPU memory of a training run's model states, estimated from parameter counts before anything loads.
+
+    python -m vagen.config sokoban_visual --config recipes/qwen2.5-vl-3b --ranks 8
+
+The parameters are counted from the checkpoint's safetensors headers when `model.path` is a local
+directory (exact, for any architecture), or from the published shape of a checkpoint named in
+`KNOWN_SHAPES` when the directory is not on this machine. Per rank, under DeepSpeed's ZeRO stage s of
+`train.deepspeed_config` with N ranks (AdamW), each trained parameter holds:
+
+    weights      2 B (bf16) or 4 B (fp32); partitioned over the N ranks at stage 3
+    gradients    as the weights; partitioned at stage >= 2
+    optimizer    two AdamW moments (8 B), plus a 4 B fp32 master copy under bf16 or any ZeRO stage >= 1;
+                 partitioned at stage >= 1
+
+A frozen parameter (the base under LoRA adapters, the reference) holds its weights only. The critic
+(`gae`, `turn_gae`) is a second model of the same size; the reference (`algo.kl_coef > 0`, full
+fine-tuning) a third, weights only. Activations, the [tokens, vocabulary] log-probability chunks,
+DeepSpeed's communication buckets, the CUDA context and vLLM's share of the GPU are not in the figure.
+Imports only the standard library: it runs inside `python -m vagen.config`, before torch.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1024 ** 3
+
+# Published shapes (the checkpoints' config.json) of the checkpoints the estimate knows by name, matched
+# against the last component of model.path when that directory is not on this machine.
+KNOWN_SHAPES = {
+    "Qwen2.5-VL-3B-Instruct": dict(
+        text=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                  num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True),
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, out_hidden_size=2048, patch_size=14,
+                    temporal_patch_size=2, in_channels=3, spatial_merge_size=2)),
+    "Qwen2.5-VL-7B-Instruct": dict(
+        text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                  num_key_value_heads=4, vocab_size=152_064, tie_word_embeddings=False),
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, out_hidden_size=3584, patch_size=14,
+                    temporal_patch_size=2, in_channels=3, spatial_merge_size=2)),
+}
+
+
+def qwen2_5_vl_tensors(text: dict, vision: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of a Qwen2.5-VL model of this shape, named as transformers saves them."""
+    h, layers = text["hidden_size"], text["num_hidden_layers"]
+    head_dim = text.get("head_dim") or h // text["num_attention_heads"]
+    q, kv, inter = text["num_attention_heads"] * head_dim, text["num_key_value_heads"] * head_dim, text["intermediate_size"]
+    out = [("model.language_model.embed_tokens.weight", (text["vocab_size"], h))]
+    for i in range(layers):
+        p = f"model.language_model.layers.{i}"
+        out += [(f"{p}.self_attn.q_proj.weight", (q, h)), (f"{p}.self_attn.q_proj.bias", (q,)),
+                (f"{p}.self_attn.k_proj.weight", (kv, h)), (f"{p}.self_attn.k_proj.bias", (kv,)),
+                (f"{p}.self_attn.v_proj.weight", (kv, h)), (f"{p}.self_attn.v_proj.bias", (kv,)),
+                (f"{p}.self_attn.o_proj.weight", (h, q)),
+                (f"{p}.mlp.gate_proj.weight", (inter, h)), (f"{p}.mlp.up_proj.weight", (inter, h)),
+                (f"{p}.mlp.down_proj.weight", (h, inter)),
+                (f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
+    out.append(("model.language_model.norm.weight", (h,)))
+    if not text.get("tie_word_embeddings", True):
+        out.append(("lm_head.weight", (text["vocab_size"], h)))
+    vh, vi, merged = vision["hidden_size"], vision["intermediate_size"], vision["hidden_size"] * vision["spatial_merge_size"] ** 2
+    out.append(("model.visual.patch_embed.proj.weight",
+                (vh, vision["in_channels"], vision["temporal_patch_size"], vision["patch_size"], vision["patch_size"])))
+    for i in range(vision["depth"]):
+        p = f"model.visual.blocks.{i}"
+        out += [(f"{p}.norm1.weight", (vh,)), (f"{p}.norm2.weight", (vh,)),
+                (f"{p}.attn.qkv.weight", (3 * vh, vh)), (f"{p}.attn.qkv.bias", (3 * vh,)),
+                (f"{p}.attn.proj.weight", (vh, vh)), (f"{p}.attn.proj.bias", (vh,)),
+                (f"{p}.mlp.gate_proj.weight", (vi, vh)), (f"{p}.mlp.gate_proj.bias", (vi,)),
+                (f"{p}.mlp.up_proj.weight", (vi, vh)), (f"{p}.mlp.up_proj.bias", (vi,)),
+                (f"{p}.mlp.down_proj.weight", (vh, vi)), (f"{p}.mlp.down_proj.bias", (vh,))]
+    out += [("model.visual.merger.ln_q.weight", (vh,)),
+            ("model.visual.merger.mlp.0.weight", (merged, merged)), ("model.visual.merger.mlp.0.bias", (merged,)),
+            ("model.visual.merger.mlp.2.weight", (vision["out_hidden_size"], merged)),
+            ("model.visual.merger.mlp.2.bias", (vision["out_hidden_size"],))]
+    return out
+
+
+def safetensors_tensors(directory: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor in a checkpoint directory's *.safetensors files, read from their headers
+    (8 bytes of header length, then a JSON header) without loading a weight."""
+    out = []
+    for file in sorted(directory.glob("*.safetensors")):
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        out += [(name, tuple(entry["shape"])) for name, entry in header.items() if name != "__metadata__"]
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def is_vision(name: str) -> bool:
+    return "visual" in name.split(".")
+
+
+def lora_parameters(tensors, targets, rank: int) -> int:
+    """Parameters of LoRA adapters of `rank` on the language model's 2-D weights whose module name (last
+    component) is in `targets`: r x (in + out) each (A is r x in, B is out x r); the vision tower gets none."""
+    total = 0
+    for name, shape in tensors:
+        parts = name.split(".")
+        if len(shape) == 2 and parts[-1] == "weight" and len(parts) > 1 and parts[-2] in targets and not is_vision(name):
+            total += rank * (shape[0] + shape[1])
+    return total
+
+
+@dataclass
+class Estimate:
+    lines: list[str]
+    total_gib: float | None  # None when the parameters could not be counted
+
+
+def model_tensors(path: str, builtin_note: str = "") -> tuple[list | None, str]:
+    """The parameter tensors of model.path, and where their count came from."""
+    if path.startswith("builtin:"):
+        return None, f"model.path={path} is a built-in model of well under a million parameters: nothing to estimate"
+    if path.startswith("assets:"):
+        from vagen.config import checkpoints_dir
+
+        directory = checkpoints_dir() / path.split(":", 1)[1]
+    else:
+        directory = Path(path).expanduser()
+    if directory.is_dir() and list(directory.glob("*.safetensors")):
+        return safetensors_tensors(directory), f"the safetensors headers in {directory}"
+    name = directory.name
+    known = {key.lower(): key for key in KNOWN_SHAPES}
+    match = known.get(name.lower())
+    if match is None:
+        return None, (f"model.path={path} is not on this machine and {name!r} is not a checkpoint of known shape "
+                      f"({', '.join(KNOWN_SHAPES)}): parameters not counted")
+    return qwen2_5_vl_tensors(**KNOWN_SHAPES[match]), (f"the published shape of {match} (model.path={path} is not "
+                                                       f"on this machine: the checks ran without it)")
+
+
+def estimate(cfg, ranks: int, deepspeed: dict) -> Estimate:
+    """Per-rank GiB of the actor's, critic's and reference's weights, gradients and AdamW states for `ranks`
+    ranks under the DeepSpeed settings `deepspeed` (the JSON of train.deepspeed_config)."""
+    tensors, source = model_tensors(cfg.model.path)
+    if tensors is None:
+        return Estimate([f"memory estimate: {source}"], None)
+    stage = deepspeed.get("zero_optimization", {}).get("stage", 0)
+    bf16 = bool(deepspeed.get("bf16", {}).get("enabled", False))
+    width = 2 if bf16 else 4
+    total = sum(_numel(shape) for _, shape in tensors)
+    vision = sum(_numel(shape) for name, shape in tensors if is_vision(name))
+    m = cfg.model
+    if m.lora_rank > 0:
+        trained = lora_parameters(tensors, set(m.lora_target_modules), m.lora_rank) + (0 if m.freeze_vision else vision)
+        frozen = total - (0 if m.freeze_vision else vision)
+    else:
+        trained, frozen = total, 0
+    held = trained + frozen  # every parameter the model holds
+
+    def share(count: float, partitioned: bool) -> float:
+        return count / ranks if partitioned else count
+
+    optimizer_bytes = 8 + (4 if bf16 or stage >= 1 else 0)
+
+    def model_gib(trained_count: int, frozen_count: int) -> tuple[float, float, float]:
+        weights = width * share(trained_count + frozen_count, stage == 3)
+        gradients = width * share(trained_count, stage >= 2)
+        optimizer = optimizer_bytes * share(trained_count, stage >= 1)
+        return weights / GIB, gradients / GIB, optimizer / GIB
+
+    dtype = "bfloat16 (fp32 master weights)" if bf16 else "float32"
+    what = (f"LoRA r={m.lora_rank}: {trained / 1e6:,.1f} M trained ({100 * trained / held:.2f}%), the base frozen"
+            if m.lora_rank > 0 else "full fine-tuning: every parameter trained")
+    lines = [f"per-GPU memory estimate: {ranks} rank(s), ZeRO-{stage} ({cfg.train.deepspeed_config}), {dtype}",
+             f"  parameters: {total / 1e9:.3f} B, from {source}",
+             f"  {what}"]
+    parts = {"actor": model_gib(trained, frozen)}
+    if cfg.algo.adv_estimator in ("gae", "turn_gae"):
+        parts["critic"] = model_gib(trained, frozen)  # a model of the policy's shape (+ a value head of hidden + 1)
+    result = 0.0
+    for label, (weights, gradients, optimizer) in parts.items():
+        subtotal = weights + gradients + optimizer
+        result += subtotal
+        lines.append(f"  {label:<10} weights {weights:6.1f} GiB, gradients {gradients:6.1f} GiB, optimizer "
+                     f"{optimizer:6.1f} GiB = {subtotal:6.1f} GiB")
+    if cfg.algo.kl_coef > 0 and m.lora_rank == 0:
+        reference = width * share(total, stage == 3) / GIB
+        result += reference
+        lines.append(f"  reference  weights {reference:6.1f} GiB (algo.kl_coef={cfg.algo.kl_coef})")
+    elif cfg.algo.kl_coef > 0:
+        lines.append("  reference  the actor with its adapters off: no copy")
+    lines.append(f"  total      {result:.1f} GiB per GPU of model states")
+    vllm = (f"vLLM's share of the GPU (vllm.gpu_memory_utilization={cfg.vllm.gpu_memory_utilization} of it while "
+            f"the engine is awake{'; released during the update: vllm.sleep_mode' if cfg.vllm.sleep_mode else ''})"
+            if cfg.rollout.backend == "vllm" else "the hf rollout's key/value cache")
+    lines.append(f"  not counted: activations (less with model.gradient_checkpointing), the [tokens, vocabulary] "
+                 f"log-probability chunks, DeepSpeed's communication buckets, the CUDA context and allocator "
+                 f"(1-3 GiB), {vllm}")
+    return Estimate(lines, result)
