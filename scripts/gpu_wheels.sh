@@ -50,16 +50,47 @@ open(out, "w").write("\n".join(kept) + "\n")
 print(f"[gpu_wheels] {len(kept)} requirements of vllm {version} to carry")
 PYEOF
 pip download -q --no-deps "${PLATFORM[@]}" -d "$OUT" "vllm==$VLLM"
-# Their own requirements, resolved against the image's torch, one at a time: a requirement the registry
-# cannot satisfy is listed in MISSING and left out (vLLM imports most of them only for the features that
-# use them: structured outputs, the API server, other kernels).
-: > "$OUT/MISSING"
-while read -r req; do
-  [ -n "$req" ] || continue
-  pip download -q "${PLATFORM[@]}" -d "$OUT" "$req" "torch==2.11.0" "torchvision==0.26.0" "torchaudio==2.11.0" \
-    2>/dev/null || { echo "$req" >> "$OUT/MISSING"; echo "[gpu_wheels] not available here: $req"; }
-done < "$REQS"
-for name in torch torchvision torchaudio triton 'nvidia_*'; do rm -f "$OUT"/${name}-*.whl; done
+# Their requirements, and theirs in turn, one wheel at a time without pip's resolver (which would fetch
+# torch and its CUDA libraries again): what the image holds is skipped; a requirement the registry cannot
+# satisfy is listed in MISSING and left out (vLLM imports most of them only for the features that use
+# them: structured outputs, the API server, other kernels).
+python3 - "$OUT" "$REQS" $PRESENT <<'PYEOF'
+import subprocess, sys, zipfile
+from pathlib import Path
+from pip._vendor.packaging.requirements import Requirement
+out, reqs, present = Path(sys.argv[1]), Path(sys.argv[2]), {n.lower() for n in sys.argv[3:]}
+platform = ["--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64", "--platform",
+            "manylinux2014_x86_64", "--platform", "linux_x86_64", "--platform", "any", "--python-version", "3.12",
+            "--implementation", "cp", "--only-binary=:all:"]
+env = {"python_version": "3.12", "platform_machine": "x86_64", "platform_system": "Linux", "sys_platform": "linux"}
+def key(name): return name.lower().replace("_", "-")
+skip = present | {"torch", "torchvision", "torchaudio", "triton"}
+queue, seen, missing = [Requirement(line) for line in reqs.read_text().split("\n") if line.strip()], set(), []
+while queue:
+    req = queue.pop(0)
+    if key(req.name) in seen or key(req.name) in skip or key(req.name).startswith("nvidia-"):
+        continue
+    seen.add(key(req.name))
+    before = set(out.glob("*.whl"))
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *platform, "-d", str(out),
+                           str(req)], capture_output=True, text=True)
+    new = set(out.glob("*.whl")) - before
+    if done.returncode or not new:
+        missing.append(str(req))
+        print(f"[gpu_wheels] not available here: {req}")
+        continue
+    for wheel in new:
+        meta = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA"))
+        for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines():
+            if line.startswith("Requires-Dist:"):
+                dep = Requirement(line.split(":", 1)[1].strip())
+                extras = [""] + sorted(req.extras)
+                if dep.marker is None or any(dep.marker.evaluate({**env, "extra": e}) for e in extras):
+                    dep.marker = None
+                    queue.append(dep)
+(out / "MISSING").write_text("\n".join(missing) + ("\n" if missing else ""))
+print(f"[gpu_wheels] {len(seen) - len(missing)} wheels of requirements, {len(missing)} not available")
+PYEOF
 echo "[gpu_wheels] deepspeed==$DEEPSPEED (a wheel built here; pure Python, its ops compiled on first use)"
 pip wheel -q --no-deps -w "$OUT" "deepspeed==$DEEPSPEED"
 for wheel in "$OUT"/*.whl; do

@@ -171,12 +171,19 @@ class VLLMConfig:
     gpu_memory_utilization: float = _f(0.5, "share of a GPU's memory the engine may take (weights, activations, "
                                             "KV cache)")
     max_model_len: int = _f(8192, "longest sequence (history + new tokens) the engine accepts")
-    enforce_eager: bool = _f(True, "no CUDA graphs: slower decoding, faster start and less memory")
-    tensor_parallel_size: int = _f(1, "GPUs per engine (the model split across them); 1 = one engine per rank")
-    sleep_mode: bool = _f(True, "on a GPU, release the engine's memory during the update and restore it after")
+    enforce_eager: bool | None = _f(None, "true: no CUDA graphs (slower decoding, faster start, less memory); "
+                                          "null = false on a GPU (graphs captured once at start-up), true on the CPU")
+    tensor_parallel_size: int = _f(1, "GPUs per engine (the model split across them); 1 = one engine per rank on the "
+                                      "rank's own GPU. Above 1 only for a run of one rank (python vagen/train.py)")
+    sleep_mode: bool = _f(True, "on a GPU, release the engine's memory during the update (weights and KV cache "
+                                "dropped, not copied to the host) and restore it after, weights first")
     cpu_kv_cache_gib: float = _f(1.0, "on the CPU, GiB of memory for the engine's KV cache")
     sync_group_mb: int = _f(512, "MB of actor weights loaded into the engine at a time after each update (under "
                                  "ZeRO-3 gathered a group at a time)")
+    seeded_requests: bool = _f(True, "seed every request from the iteration's seed and the episode's row, so that an "
+                                     "episode samples the same tokens whatever shares its batch; false = the engine's "
+                                     "one generator (reproducible only for the same batches in the same order), which "
+                                     "saves vLLM's per-request sampling loop (docs/training.md, vLLM rollouts)")
 
 
 @dataclass
@@ -501,6 +508,7 @@ def validate(cfg: Config) -> None:
     if not cfg.algo.rollout_correction_cap >= 1.0:
         raise ConfigError(f"algo.rollout_correction_cap={cfg.algo.rollout_correction_cap} must be >= 1 (a weight cap "
                           f"below 1 shrinks every on-policy token's gradient); use e.g. 2.0")
+    _check_vllm(cfg)
     _check_trackers(cfg.log.trackers)
     if cfg.env.step_timeout is not None and not cfg.env.step_timeout > 0:
         raise ConfigError(f"env.step_timeout={cfg.env.step_timeout} must be > 0 seconds, or null for no limit")
@@ -527,6 +535,36 @@ def validate(cfg: Config) -> None:
             "model.path=builtin:tiny-text cannot see images but env.render_mode=vision; use "
             "model.path=builtin:tiny-vl or env.render_mode=text"
         )
+
+
+def _check_vllm(cfg: Config) -> None:
+    """vLLM engine settings that would fail mid-run, refused before any work."""
+    v, ro = cfg.vllm, cfg.rollout
+    if v.tensor_parallel_size < 1 or v.max_model_len < 1 or not 0.0 < v.gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"vllm.tensor_parallel_size={v.tensor_parallel_size} and vllm.max_model_len="
+                          f"{v.max_model_len} must be >= 1, and vllm.gpu_memory_utilization="
+                          f"{v.gpu_memory_utilization} in (0, 1]")
+    if ro.backend == "vllm" and v.max_model_len < ro.max_trajectory_length:
+        # A turn's request is its whole history plus rollout.max_new_tokens, which the rollout keeps within
+        # rollout.max_trajectory_length; a longer request is refused by the engine of one rank while the
+        # others wait for it in a collective.
+        raise ConfigError(f"rollout.max_trajectory_length={ro.max_trajectory_length} exceeds vllm.max_model_len="
+                          f"{v.max_model_len}, the longest request the engine accepts, so a long episode would stop "
+                          f"the run mid-way; set vllm.max_model_len={ro.max_trajectory_length} (or more), or "
+                          f"rollout.max_trajectory_length={v.max_model_len}")
+
+
+def check_vllm_ranks(cfg: Config, world_size: int) -> None:
+    """Tensor parallelism of the vLLM engine only for a run of one rank: each rank's engine owns its rank's GPU
+    (and its share of the rollout), so engines split over several GPUs would take GPUs other ranks train on."""
+    tp = cfg.vllm.tensor_parallel_size
+    if cfg.rollout.backend == "vllm" and tp > 1 and world_size > 1:
+        raise ConfigError(
+            f"vllm.tensor_parallel_size={tp} with {world_size} ranks: every rank runs its own engine on its own GPU "
+            f"and plays its own share of the episodes, so an engine split over {tp} GPUs would take the GPUs of "
+            f"other ranks (each rank's workers would start on GPUs 0..{tp - 1}); use vllm.tensor_parallel_size=1 "
+            f"(one engine per GPU; a 7B policy fits one 80 GB GPU beside its update with LoRA or ZeRO-3), or run "
+            f"one rank (python vagen/train.py, every GPU visible) whose engine spans {tp} GPUs")
 
 
 def _check_state_reward(cfg: Config) -> None:
@@ -617,6 +655,7 @@ def check_ranks(cfg: Config, world_size: int) -> None:
                           f"rollout.env_groups={cfg.rollout.env_groups} level groups, fewer than the {world_size} "
                           f"ranks that train them; raise rollout.env_groups or algo.filter_keep_ratio so that at "
                           f"least {world_size} groups are kept")
+    check_vllm_ranks(cfg, world_size)
 
 
 def check_training(cfg: Config) -> None:

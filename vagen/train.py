@@ -139,13 +139,15 @@ def build_models(cfg, dist, run, is_main_process: bool) -> Models:
         run.announce(cfg, path)
     lora = cfg.model.lora_rank > 0  # the reference is then the actor with its adapters off: no copy is loaded
     with partitioned_build(cfg, dist) as partitioned:
-        actor, processor = load_policy(path, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)
+        actor, processor = load_policy(path, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels,
+                                       attn_implementation=cfg.model.attn_implementation)
         if cfg.model.gradient_checkpointing:
             # Non-reentrant checkpointing: gradients reach the weights even where no input requires grad.
             actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         actor = add_adapters(actor, cfg.model) if lora else actor
         critic = build_critic(cfg, path) if cfg.algo.adv_estimator in ("gae", "turn_gae") else None
-        reference = load_policy(path, cfg.model.dtype)[0] if cfg.algo.kl_coef > 0 and not lora else None
+        reference = (load_policy(path, cfg.model.dtype, attn_implementation=cfg.model.attn_implementation)[0]
+                     if cfg.algo.kl_coef > 0 and not lora else None)
     encoder = ChatEncoder(processor)
     if reference is not None:
         reference.eval().requires_grad_(False)
@@ -185,7 +187,7 @@ def build_critic(cfg, policy_path):
 
     saved = saved_critic(cfg.model.critic_path) if cfg.model.critic_path else None
     path = base_checkpoint(cfg.model, cfg.model.critic_path) if cfg.model.critic_path and not saved else policy_path
-    backbone, _ = load_policy(path, cfg.model.dtype)
+    backbone, _ = load_policy(path, cfg.model.dtype, attn_implementation=cfg.model.attn_implementation)
     if cfg.model.gradient_checkpointing:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     critic = ValueModel(backbone)
@@ -314,11 +316,10 @@ def rest(decoder) -> None:
 
 
 def sync_decoder(decoder, actor_engine) -> dict[str, float]:
-    """Engines with weights of their own (vLLM) wake up and load the updated actor's, gathered a group at a
-    time under ZeRO-3 (every rank takes part); `timing/weight_sync` is logged."""
+    """Engines with weights of their own (vLLM) load the updated actor's, gathered a group at a time under
+    ZeRO-3 (every rank takes part), waking up as they do; `timing/weight_sync` is logged."""
     if not hasattr(decoder, "sync_weights"):
         return {}
-    decoder.wake_up()
     return {"timing/weight_sync": float(decoder.sync_weights(actor_engine))}
 
 
