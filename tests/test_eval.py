@@ -214,3 +214,14 @@ def test_format_ok_counts_parsed_responses_and_action_valid_the_legal_ones():
     metrics = rollout_metrics([episode])
     assert metrics["rollout/format_ok"] == pytest.approx(2 / 3)
     assert metrics["rollout/action_valid"] == pytest.approx(1 / 3)
+
+
+def test_several_configs_apply_in_order_as_in_training(trained_run):
+    from vagen.eval import choose_config
+
+    actor = resolve_checkpoint(str(trained_run / "checkpoints" / "step_2" / "actor"))
+    cfg, source, warning = choose_config(["frozenlake_visual", "recipes/qwen2.5-vl-3b"], "x", actor,
+                                         [f"model.path={actor}", "model.dtype=bfloat16"])
+    assert source == "frozenlake_visual,recipes/qwen2.5-vl-3b"
+    assert cfg.env.name == "frozenlake" and cfg.rollout.max_new_tokens == 200  # the recipe's, over the env config's
+    assert "rollout.max_new_tokens=200 (the run: " in warning

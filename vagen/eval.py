@@ -306,7 +306,7 @@ def config_differences(cfg, run_cfg) -> list[str]:
     return out
 
 
-def choose_config(config: str | None, checkpoint_arg: str, checkpoint: Path, overrides: list[str]):
+def choose_config(config: str | list[str] | None, checkpoint_arg: str, checkpoint: Path, overrides: list[str]):
     """(config, where it came from, warning or None) for evaluating `checkpoint`: the run's own config.yaml
     when the checkpoint lies in a run directory, `config` when given (a warning names what differs from the
     run's), a ConfigError when neither exists."""
@@ -323,6 +323,7 @@ def choose_config(config: str | None, checkpoint_arg: str, checkpoint: Path, ove
                               f"{_suggested_config(checkpoint)}")
         return run_cfg, str(run / "config.yaml"), None
     cfg = load_config(config, overrides)
+    config = ",".join(config) if isinstance(config, list) else config
     warning = None
     if run_cfg is not None:
         differences = config_differences(cfg, run_cfg)
@@ -345,9 +346,9 @@ def _suggested_config(checkpoint: Path) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None,
-                        help="config name or YAML path; default for a checkpoint inside a run directory: the run's "
-                             "own config.yaml (required otherwise)")
+    parser.add_argument("--config", default=None, action="append",
+                        help="config name or YAML path, several (repeated, or a comma list) applied in order; default "
+                             "for a checkpoint inside a run directory: the run's own config.yaml (required otherwise)")
     parser.add_argument("--checkpoint", required=True,
                         help="run dir, checkpoints/step_N, a shipped warm start assets:NAME, or a HF checkpoint dir")
     parser.add_argument("--episodes", type=int, default=None, help="held-out episodes (default eval.episodes)")
