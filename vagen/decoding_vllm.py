@@ -202,7 +202,7 @@ class VLLMDecoder:
             options["enable_chunked_prefill"] = False
             options["max_num_batched_tokens"] = int(self.settings["max_model_len"])
         # What the family's kernels need over these (Qwen3.5's linear layers: chunked prefill under prefix caching)
-        options.update(family_of(self.checkpoint).vllm_options(self.on_gpu))
+        options.update(family_of(self.checkpoint).vllm_options(self.on_gpu, dtype))
         self.lora_rank, self.lora_request, self.adapter_dir, self.adapters_loaded = int(lora_rank), None, None, 0
         if self.lora_rank > 0:
             options.update(enable_lora=True, max_lora_rank=lora_rank_slot(self.lora_rank), max_loras=1)

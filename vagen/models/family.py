@@ -67,8 +67,9 @@ class Family:
     def architecture(self, model_type: str) -> str:
         return self.architectures[model_type]
 
-    def vllm_options(self, on_gpu: bool) -> dict:
-        """vLLM engine options this family's kernels need, over vagen's defaults."""
+    def vllm_options(self, on_gpu: bool, dtype: str) -> dict:
+        """vLLM engine options this family's kernels need, over vagen's defaults; raises ValueError where
+        its kernels cannot run `dtype` on this device."""
         return {}
 
     def build_tiny(self, spec, tokenizer, text: dict):

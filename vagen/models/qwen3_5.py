@@ -22,7 +22,13 @@ LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_p
 
 
 class Qwen3_5(Family):
-    def vllm_options(self, on_gpu: bool) -> dict:
+    def vllm_options(self, on_gpu: bool, dtype: str) -> dict:
+        if not on_gpu and dtype != "bfloat16":
+            raise ValueError(f"rollout.backend=vllm runs Qwen3.5 on the CPU in bfloat16 only (vLLM's CPU kernel of its "
+                             f"linear-attention layers), not model.dtype={dtype}; set model.dtype=bfloat16, or use "
+                             f"rollout.backend=hf")
+        # Prefix caching keeps the linear layers' state at block boundaries ("align" mode), which vLLM
+        # computes only with chunked prefill.
         return {"enable_chunked_prefill": True}
 
     def build_tiny(self, spec, tokenizer, text: dict):
