@@ -98,7 +98,8 @@ def test_config_cli_checks_ranks_without_torch():
                           "--ranks", "3"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip() == ("config error: rollout.env_groups=16 must be divisible by the 3 ranks (each rank "
-                                  "plays and trains an equal share); use a multiple of 3")
+                                  "plays and trains an equal share); use a multiple of 3, or fewer ranks (deepspeed "
+                                  "--num_gpus K; without --num_gpus the launcher starts one rank per GPU of the node)")
 
 
 def test_known_shapes_count_the_published_parameters():

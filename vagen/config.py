@@ -648,7 +648,8 @@ def check_ranks(cfg: Config, world_size: int) -> None:
         value = getattr(getattr(cfg, section), name)
         if value % world_size:
             raise ConfigError(f"{key}={value} must be divisible by the {world_size} ranks (each rank plays and "
-                              f"trains an equal share); use a multiple of {world_size}")
+                              f"trains an equal share); use a multiple of {world_size}, or fewer ranks (deepspeed "
+                              f"--num_gpus K; without --num_gpus the launcher starts one rank per GPU of the node)")
     kept = kept_groups(cfg)
     if kept < world_size:
         raise ConfigError(f"algo.filter_keep_ratio={cfg.algo.filter_keep_ratio} keeps {kept} of "
