@@ -243,3 +243,13 @@ def test_two_iterations_train_under_zero3_on_two_ranks(tmp_path, model_cache):
         records = [json.loads(line) for line in (tmp_path / name.split(":")[1] / "metrics.jsonl").read_text().splitlines()]
         assert [r["iteration"] for r in records] == [0, 1], name
         assert all(np.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in records), (name, records)
+
+
+def test_no_function_of_the_model_family_seam_is_over_80_lines():
+    import ast
+
+    package = Path(__file__).resolve().parent.parent / "vagen" / "models"
+    long = [(f.name, n.name, n.end_lineno - n.lineno + 1) for f in sorted(package.glob("*.py"))
+            for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > 80]
+    assert long == [], long

@@ -94,6 +94,7 @@ class ScriptedLM(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.script, self.vocab_size, self.calls, self.masks = script, vocab_size, 0, []
+        self.config = types.SimpleNamespace(model_type="qwen2")  # stands in for a Qwen2 causal LM
 
     def forward(self, input_ids, position_ids, attention_mask, use_cache, logits_to_keep, cache=None):
         self.masks.append(attention_mask.clone())
