@@ -84,6 +84,9 @@ class EnvConfig:
     step_timeout: float | None = _f(None, "seconds an environment's reset or step may take before its episode ends as "
                                           "failed (an alarm in the main thread: pure-Python code is interrupted, a "
                                           "call inside a C library only when it returns); null = no limit")
+    workers: int = _f(0, "processes that hold the environments (and their renderers) and step them while the "
+                         "trainer decodes; a worker that dies or hangs fails only the step it ran and is replaced; "
+                         "0 = step them in the trainer's process")
 
 
 @dataclass
@@ -512,6 +515,8 @@ def validate(cfg: Config) -> None:
     _check_trackers(cfg.log.trackers)
     if cfg.env.step_timeout is not None and not cfg.env.step_timeout > 0:
         raise ConfigError(f"env.step_timeout={cfg.env.step_timeout} must be > 0 seconds, or null for no limit")
+    if cfg.env.workers < 0:
+        raise ConfigError(f"env.workers={cfg.env.workers} must be >= 0 (0: environments step in the trainer's process)")
     if tr.keep_checkpoints is not None and tr.keep_checkpoints < 1:
         raise ConfigError(f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1, or null to keep every checkpoint")
     if algo.loss_norm_tokens is not None and algo.loss_norm_tokens < 1:

@@ -5,24 +5,38 @@ and produced, so that training sees the same sequence as sampling did (`vagen.ep
 
 from __future__ import annotations
 
-import contextlib
 import time
 
-import envs_visual
-from vagen.decoding import Decoder, sampling_from, turn_seed
+from vagen.decoding import Decoder, Sampling, sampling_from, turn_seed
 from vagen.decoding_hf import HFDecoder
+from vagen.env_workers import (  # noqa: F401 (EnvTimeout, time_limit, env_error_summary: part of this module's API)
+    EnvFactory,
+    EnvTimeout,
+    EnvWorkers,
+    InProcessEnvs,
+    build_env,
+    env_error_summary,
+    time_limit,
+)
 from vagen.episode import ChatEncoder, Episode, Segment, Turn, TurnContext
 
 
 def make_env(cfg_env, seed_env_params: dict | None = None):
-    params = dict(cfg_env.params)
-    params.setdefault("prompt_format", cfg_env.prompt_format)
-    params.setdefault("render_mode", cfg_env.render_mode)
-    params.setdefault("max_actions_per_turn", cfg_env.max_actions_per_turn)
-    params.setdefault("format_reward", cfg_env.format_reward)
-    if seed_env_params:
-        params.update(seed_env_params)
-    return envs_visual.make(cfg_env.name, **params)
+    return build_env(cfg_env, seed_env_params)
+
+
+def make_envs(cfg_env, count: int):
+    """A run's `count` environments: built here (`env.workers=0`), or held by `env.workers` processes
+    (`EnvWorkers`), which live until `close_envs`."""
+    if cfg_env.workers > 0:
+        return EnvWorkers(EnvFactory(cfg_env), count, cfg_env.workers, cfg_env.step_timeout)
+    return [make_env(cfg_env) for _ in range(count)]
+
+
+def close_envs(envs) -> None:
+    for env in envs if isinstance(envs, list) else [envs]:
+        if hasattr(env, "close"):
+            env.close()
 
 
 def make_decoder(cfg, model, encoder: ChatEncoder) -> Decoder:
@@ -40,60 +54,174 @@ def make_decoder(cfg, model, encoder: ChatEncoder) -> Decoder:
 
 
 def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int, *, do_sample: bool | None = None,
-            envs: list | None = None, on_step=None, progress=None, decoder: Decoder | None = None,
-            sample_seed: int = 0) -> tuple[list[Episode], dict[str, float]]:
+            envs=None, on_step=None, progress=None, decoder: Decoder | None = None,
+            sample_seed: int = 0, schedule: str | None = None) -> tuple[list[Episode], dict[str, float]]:
     """Play `len(seeds) * group_size` episodes (members of a group share a seed) for up to
     `cfg.rollout.max_turns` turns, decoding with `decoder` (default: `rollout.backend` over `model`).
+    `envs`: a list of environments, or `EnvWorkers` (`make_envs`); default: made for this call as
+    `env.workers` says. `schedule`: how the decoder plays, `turns` (`play_in_turns`) or `loop` (its agent
+    loop, `decoder.play`); default: the loop where the decoder has one.
     Returns the episodes and timing/length metrics. `progress` (a `vagen.console.progress_bar`) is
     advanced by one as each episode ends; `sample_seed` seeds engines that seed each request."""
-    ro = cfg.rollout
     n = len(seeds) * group_size
-    envs = envs if envs is not None else [make_env(cfg.env) for _ in range(n)]
-    assert len(envs) == n, f"{len(envs)=} {n=}"
-    episodes, observations = reset_envs(envs, cfg.env, seeds, group_size)
+    owned = envs is None
+    envs = make_envs(cfg.env, n) if owned else envs
+    pool = InProcessEnvs(envs, cfg.env.step_timeout) if isinstance(envs, list) else envs
+    assert len(pool) == n, f"{len(pool)=} {n=}"
+    if on_step is not None and not isinstance(pool, InProcessEnvs):
+        raise ValueError("rollout(on_step=...) is called with the environment object, which lives in a worker "
+                         "process with env.workers > 0; use env.workers=0, or read the step's info from the episodes")
     decoder = decoder if decoder is not None else make_decoder(cfg, model, encoder)
+    if schedule not in (None, "turns", "loop"):
+        raise ValueError(f"rollout(schedule={schedule!r}); choices: turns, loop, None (the decoder's own)")
+    if schedule == "loop" and not hasattr(decoder, "play"):
+        raise ValueError(f"{type(decoder).__name__} has no agent loop (play); use schedule='turns'")
+    game = Game(encoder, cfg, seeds, group_size, pool, do_sample, sample_seed, on_step, progress)
     decoder.start_rollout()
-    timing = {"timing/generate": 0.0, "timing/env": 0.0, "rollout/generated_tokens": 0.0}
-    ended = Ended(episodes, progress)
-    for turn in range(ro.max_turns):
-        ended.count()
-        active = open_turn(encoder, episodes, observations, turn, ro)
+    try:
+        if schedule == "turns" or not hasattr(decoder, "play"):
+            play_in_turns(decoder, game)
+        else:
+            decoder.play(game)
+    finally:
+        if owned:
+            close_envs(envs)
+    for ep in game.episodes:
+        ep.done = True
+    game.ended.count()
+    return game.episodes, game.timing
+
+
+def play_in_turns(decoder: Decoder, game: Game) -> None:
+    """The per-turn schedule: every running episode's turn t goes to `decoder.generate` as one batch, and
+    turn t + 1 starts once every environment has answered turn t (stepped in parallel with workers)."""
+    for turn in range(game.max_turns):
+        t0 = time.perf_counter()
+        game.take_answers(block=True, all_of_them=True)
+        game.timing["timing/env"] += time.perf_counter() - t0
+        game.ended.count()
+        active = [i for i in game.ready]
+        game.ready.clear()
         # Under ZeRO-3 over several ranks, a rank whose episodes have ended keeps generating (idle) while
         # another rank's go on: forward passes are collective there.
         if not decoder.any_rank(bool(active)):
             break
         t0 = time.perf_counter()
-        sampling = sampling_from(ro, do_sample, seed=turn_seed(sample_seed, turn))
-        generated = decoder.generate([episodes[i] for i in active], active, sampling)
-        timing["timing/generate"] += time.perf_counter() - t0
+        generated = decoder.generate([game.episodes[i] for i in active], active, game.sampling(turn))
+        game.timing["timing/generate"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         for i, new in zip(active, generated):
-            timing["rollout/generated_tokens"] += close_turn(encoder, episodes[i], envs[i], observations, i, new,
-                                                             cfg.env.step_timeout, on_step)
-        timing["timing/env"] += time.perf_counter() - t0
-    for ep in episodes:
-        ep.done = True
-    ended.count()
-    return episodes, timing
+            game.respond(i, new)
+        game.timing["timing/env"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    game.take_answers(block=True, all_of_them=True)  # the last turn's
+    game.timing["timing/env"] += time.perf_counter() - t0
 
 
-def reset_envs(envs: list, env_cfg, seeds: list[int], group_size: int) -> tuple[list[Episode], list]:
-    """A new episode per environment, reset to its group's level seed; an environment that raises
-    ends its own episode there (failed), not the rollout."""
-    episodes, observations = [], []
-    for i, env in enumerate(envs):
-        group = i // group_size
-        try:
-            with time_limit(env_cfg.step_timeout):
-                obs, info = env.reset(seed=seeds[group])
-            episodes.append(Episode(env_cfg.name, seeds[group], group, env.system_prompt(), initial_observation=obs,
-                                    initial_state_key=info.get("state_key")))
-        except Exception as err:
-            episodes.append(Episode(env_cfg.name, seeds[group], group, "", done=True,
-                                    error=f"reset: {env_error_summary(err)}"))
-            obs = None
-        observations.append(obs)
-    return episodes, observations
+class Game:
+    """The episodes of one rollout as a decoder plays them, whatever the schedule. A decoder takes
+    `ready` (episodes whose next prompt is in their `input_ids`, ascending), answers each with `respond`
+    (which sends the response to its environment), and collects the environments' answers with
+    `take_answers`, which opens the next turns. `timing` collects the rollout's metrics."""
+
+    def __init__(self, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int, pool, do_sample, sample_seed: int,
+                 on_step=None, progress=None):
+        self.encoder, self.ro, self.env_cfg, self.pool = encoder, cfg.rollout, cfg.env, pool
+        self.max_turns, self.do_sample, self.sample_seed, self.on_step = cfg.rollout.max_turns, do_sample, sample_seed, on_step
+        self.timing = {"timing/generate": 0.0, "timing/env": 0.0, "rollout/generated_tokens": 0.0}
+        n = len(seeds) * group_size
+        self.episodes: list[Episode | None] = [None] * n
+        self.observations: list = [None] * n
+        self.responses: dict[int, tuple] = {}  # episode -> its turn's response, waiting for the environment
+        self.ready: list[int] = []
+        self.seeds = [seeds[i // group_size] for i in range(n)]
+        self.group_size = group_size
+        for i in range(n):
+            pool.reset(i, self.seeds[i])
+        self.take_answers(block=True, all_of_them=True)
+        self.ended = Ended(self.episodes, progress)
+
+    def sampling(self, turn: int) -> Sampling:
+        """How turn `turn` of every episode is decoded: its seed from the rollout's and the turn."""
+        return sampling_from(self.ro, self.do_sample, seed=turn_seed(self.sample_seed, turn))
+
+    def finished(self) -> bool:
+        """No episode generates again: every one ended, and no environment has an answer to give."""
+        return not self.ready and not self.responses and all(ep.done for ep in self.episodes)
+
+    def take_answers(self, block: bool = False, all_of_them: bool = False) -> None:
+        """Apply the environments' answers that arrived (with `block`, wait for at least one while any is
+        due; with `all_of_them`, for every one due) and open each answered episode's next turn."""
+        while True:
+            answers = self.pool.answers(block=block and self.pool.busy())
+            for answer in sorted(answers, key=lambda a: a.index):
+                if answer.kind == "reset":
+                    self.reset_answered(answer)
+                else:
+                    self.step_answered(answer)
+            if not (all_of_them and self.pool.busy()):
+                break
+        self.ready.sort()
+
+    def reset_answered(self, answer) -> None:
+        """A new episode, reset to its group's level seed; an environment that raised ends its own episode
+        there (failed), not the rollout."""
+        i, seed = answer.index, self.seeds[answer.index]
+        if answer.error is None:
+            obs, info, system_prompt = answer.value
+            self.episodes[i] = Episode(self.env_cfg.name, seed, i // self.group_size, system_prompt,
+                                       initial_observation=obs, initial_state_key=info.get("state_key"))
+            self.observations[i] = obs
+            self.open(i)
+        else:
+            self.episodes[i] = Episode(self.env_cfg.name, seed, i // self.group_size, "", done=True,
+                                       error=f"reset: {answer.error}")
+
+    def open(self, i: int) -> None:
+        ep = self.episodes[i]
+        if not ep.done and len(ep.turns) < self.max_turns and open_episode(self.encoder, ep, self.observations[i], self.ro):
+            self.ready.append(i)
+
+    def respond(self, i: int, new) -> None:
+        """Close episode `i`'s turn with <|im_end|> and send its text to the environment."""
+        ep = self.episodes[i]
+        ids, text = self.encoder.finish_response(new.ids)
+        start = len(ep.input_ids)
+        ep.input_ids += ids
+        self.responses[i] = (new, ids, text, start)
+        self.timing["rollout/generated_tokens"] += len(ids)
+        self.pool.step(i, text)
+
+    def step_answered(self, answer) -> None:
+        """Record the turn the environment answered; an environment that raised ends the episode there,
+        failed."""
+        i = answer.index
+        ep = self.episodes[i]
+        new, ids, text, start = self.responses.pop(i)
+        obs = self.observations[i]
+        state_key = ep.turns[-1].info.get("state_key") if ep.turns else ep.initial_state_key
+        if answer.error is None:
+            next_obs, reward, terminated, truncated, info = answer.value
+        else:
+            ep.error = f"step {len(ep.turns)}: {answer.error}"
+            next_obs, reward, terminated, truncated = None, 0.0, True, False
+            info = {"success": False, "format_ok": False, "action_is_valid": False, "action_is_effective": False,
+                    "actions": [], "env_error": ep.error}
+        if self.on_step is not None and ep.error is None:
+            self.on_step(i, self.pool.env(i), info)
+        end_sampled = self.encoder.sampled_end(new.ids)
+        logprobs = None if new.logprobs is None else list(new.logprobs[: len(ids) - (not end_sampled)])
+        context = None
+        if ep.segments:  # rollout.context=window: the turn's own sequence is its window and its response
+            ep.segments[-1].response_ids = ids
+            context = TurnContext(list(ep.input_ids), list(ep.pixel_values), list(ep.image_grid_thw))
+        ep.turns.append(Turn(obs.text, obs.images, text, reward, info, (start, len(ep.input_ids)), len(ids),
+                             end_sampled=end_sampled, sampled_logprobs=logprobs, state_key=state_key, context=context))
+        ep.success = bool(info.get("success", False))
+        self.observations[i] = next_obs
+        if terminated or truncated:
+            ep.done = True
+        self.open(i)
 
 
 class Ended:
@@ -109,43 +237,34 @@ class Ended:
         self.ended = now
 
 
-def open_turn(encoder: ChatEncoder, episodes: list[Episode], observations: list, turn: int, ro) -> list[int]:
-    """Append each running episode's observation (text and frames, resized once) to its history, or with
-    `rollout.context=window` make its window the next prompt (`window_prompt`); returns the indices of the
-    episodes that generate this turn. An episode whose next turn would not fit in
-    `rollout.max_trajectory_length` ends before it: whole turns only, so an image is never cut and what
-    was played stays trainable."""
-    window = ro.context == "window"
-    active = []
-    for i, ep in enumerate(episodes):
-        if ep.done:
-            continue
-        obs = observations[i]
-        images = [encoder.resize(image) for image in obs.images] if encoder.is_vision else obs.images
-        if window:
-            _, pixel_values, grids = encoder.user_segment(obs.text, images, first=False, system=None)
-            segment = Segment(obs.text, images, pixel_values, grids)
-            prompt = window_prompt(encoder, ep.system_prompt, ep.segments + [segment], ro.window_turns)
-            if len(prompt.input_ids) + ro.max_new_tokens + 1 > ro.max_trajectory_length:
-                ep.done = True
-                ep.truncated_by_length = True
-                continue
-            ep.segments.append(segment)
-            ep.input_ids, ep.pixel_values, ep.image_grid_thw = prompt.input_ids, prompt.pixel_values, prompt.image_grid_thw
-            ep.images = [image for seg in ep.segments[-ro.window_turns - 1:] for image in seg.images]
-            active.append(i)
-            continue
-        ids, pixel_values, grids = encoder.user_segment(obs.text, images, first=turn == 0, system=ep.system_prompt)
-        if len(ep.input_ids) + len(ids) + ro.max_new_tokens + 1 > ro.max_trajectory_length:
+def open_episode(encoder: ChatEncoder, ep: Episode, obs, ro) -> bool:
+    """Append the episode's observation (text and frames, resized once) to its history, or with
+    `rollout.context=window` make its window the next prompt (`window_prompt`); returns whether it
+    generates a turn. An episode whose next turn would not fit in `rollout.max_trajectory_length` ends
+    before it: whole turns only, so an image is never cut and what was played stays trainable."""
+    images = [encoder.resize(image) for image in obs.images] if encoder.is_vision else obs.images
+    if ro.context == "window":
+        _, pixel_values, grids = encoder.user_segment(obs.text, images, first=False, system=None)
+        segment = Segment(obs.text, images, pixel_values, grids)
+        prompt = window_prompt(encoder, ep.system_prompt, ep.segments + [segment], ro.window_turns)
+        if len(prompt.input_ids) + ro.max_new_tokens + 1 > ro.max_trajectory_length:
             ep.done = True
             ep.truncated_by_length = True
-            continue
-        ep.input_ids += ids
-        ep.pixel_values += pixel_values
-        ep.image_grid_thw += grids
-        ep.images += images
-        active.append(i)
-    return active
+            return False
+        ep.segments.append(segment)
+        ep.input_ids, ep.pixel_values, ep.image_grid_thw = prompt.input_ids, prompt.pixel_values, prompt.image_grid_thw
+        ep.images = [image for seg in ep.segments[-ro.window_turns - 1:] for image in seg.images]
+        return True
+    ids, pixel_values, grids = encoder.user_segment(obs.text, images, first=not ep.turns, system=ep.system_prompt)
+    if len(ep.input_ids) + len(ids) + ro.max_new_tokens + 1 > ro.max_trajectory_length:
+        ep.done = True
+        ep.truncated_by_length = True
+        return False
+    ep.input_ids += ids
+    ep.pixel_values += pixel_values
+    ep.image_grid_thw += grids
+    ep.images += images
+    return True
 
 
 def window_prompt(encoder: ChatEncoder, system: str, segments: list[Segment], window_turns: int) -> TurnContext:
@@ -161,75 +280,6 @@ def window_prompt(encoder: ChatEncoder, system: str, segments: list[Segment], wi
         pixel_values += segment.pixel_values
         grids += segment.image_grid_thw
     return TurnContext(ids, pixel_values, grids)
-
-
-def close_turn(encoder: ChatEncoder, ep: Episode, env, observations: list, i: int, new, step_timeout, on_step) -> int:
-    """Close the turn's response with <|im_end|>, step the environment with its text and record the
-    turn; returns the turn's token count. An environment that raises ends the episode there, failed."""
-    ids, text = encoder.finish_response(new.ids)
-    start = len(ep.input_ids)
-    ep.input_ids += ids
-    obs = observations[i]
-    state_key = ep.turns[-1].info.get("state_key") if ep.turns else ep.initial_state_key
-    try:
-        with time_limit(step_timeout):
-            next_obs, reward, terminated, truncated, info = env.step(text)
-    except Exception as err:
-        ep.error = f"step {len(ep.turns)}: {env_error_summary(err)}"
-        next_obs, reward, terminated, truncated = None, 0.0, True, False
-        info = {"success": False, "format_ok": False, "action_is_valid": False, "action_is_effective": False,
-                "actions": [], "env_error": ep.error}
-    if on_step is not None and ep.error is None:
-        on_step(i, env, info)
-    end_sampled = encoder.sampled_end(new.ids)
-    logprobs = None if new.logprobs is None else list(new.logprobs[: len(ids) - (not end_sampled)])
-    context = None
-    if ep.segments:  # rollout.context=window: the turn's own sequence is its window and its response
-        ep.segments[-1].response_ids = ids
-        context = TurnContext(list(ep.input_ids), list(ep.pixel_values), list(ep.image_grid_thw))
-    ep.turns.append(Turn(obs.text, obs.images, text, reward, info, (start, len(ep.input_ids)), len(ids),
-                         end_sampled=end_sampled, sampled_logprobs=logprobs, state_key=state_key, context=context))
-    ep.success = bool(info.get("success", False))
-    observations[i] = next_obs
-    if terminated or truncated:
-        ep.done = True
-    return len(ids)
-
-
-class EnvTimeout(TimeoutError):
-    """An environment's reset or step ran past `env.step_timeout`."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None):
-    """Raise EnvTimeout in the code inside if it runs longer than `seconds` (None: no limit). An alarm
-    signal, so only in the main thread of a Unix process, and only between Python bytecodes."""
-    import signal
-    import threading
-
-    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def expired(signum, frame):
-        raise EnvTimeout(f"no answer within env.step_timeout={seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def env_error_summary(err: BaseException) -> str:
-    """An environment's exception in one line: its type, message and the innermost frame it came from."""
-    import traceback
-
-    frames = traceback.extract_tb(err.__traceback__)
-    where = f" ({frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    return f"{type(err).__name__}: {err}{where}"
 
 
 GRADED_SCORES = (("observation", "grounding_score"), ("prediction", "worldmodel_score"))

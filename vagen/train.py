@@ -55,7 +55,7 @@ def main(argv=None) -> int:
 
     from vagen import core
     from vagen.console import Progress
-    from vagen.rollout import make_decoder, make_env
+    from vagen.rollout import close_envs, make_decoder, make_envs
     from vagen.run import RunDir, reduce_metrics
     from vagen.state_reward import state_rewarder
 
@@ -71,8 +71,8 @@ def main(argv=None) -> int:
     decoder = make_decoder(cfg, models.actor.module, models.encoder)
     generator = torch.Generator()
     # Environments live for the whole run (reset with new seeds each iteration): a MuJoCo renderer
-    # costs ~0.1 s to create and holds a GL context.
-    envs = [make_env(cfg.env) for _ in range(cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size)]
+    # costs ~0.1 s to create and holds a GL context. With env.workers > 0, the workers hold them.
+    envs = make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size)
     progress = Progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
     bad_steps_in_a_row, return_code, batch = 0, 0, None
 
@@ -107,9 +107,7 @@ def main(argv=None) -> int:
             break
 
     progress.close()
-    for env in envs:
-        if hasattr(env, "close"):
-            env.close()
+    close_envs(envs)
     run.finish()
     return return_code
 
@@ -218,7 +216,7 @@ def play(cfg, it: int, dist, models: Models, decoder, envs: list, rewarder):
                               decoder=decoder, sample_seed=(cfg.train.seed * 1_000_003 + it) * 1_009 + dist.rank)
     if rewarder is not None:
         stats.update(rewarder(episodes))
-    stats.update(rollout_metrics(episodes, graded_scores(envs[0])))
+    stats.update(rollout_metrics(episodes, graded_scores(envs[0] if isinstance(envs, list) else envs.example())))
     for ep in episodes:  # an environment that raised ended only its own episode
         if ep.error is not None:
             print(f"[env error] rank {dist.rank}, iteration {it}, {ep.env_name} level {ep.seed}: {ep.error}",
