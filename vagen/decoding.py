@@ -1,6 +1,8 @@
 """The decoding seam: what a rollout asks of a generation engine, and the rules every engine keeps.
 
-A rollout hands its active episodes to a `Decoder` once per turn. Each episode's `input_ids` hold the
+A rollout asks a `Decoder` to play its episodes: turn by turn, the running episodes in one batch per call
+of `generate` (hf), or in the decoder's own agent loop, `play` (vllm), where each episode's next turn joins
+the running batch as soon as its environment answers. Each episode's `input_ids` hold the
 whole history, ending with the assistant header of the new turn, and its `images` every frame so
 far, already resized. The decoder returns, for each episode, the ids it generated (kept as sampled,
 the stop token included when one was produced) and, where the engine reports them, the
@@ -63,6 +65,10 @@ class Decoder(Protocol):
     def generate(self, episodes: list[Episode], rows: list[int], sampling: Sampling) -> list[Generated]:
         """The new ids of each episode; `rows` are the episodes' indices in the rollout, a subset of the
         previous call's within one rollout."""
+
+    # A decoder that batches continuously also has `play(game)`: its agent loop over a `vagen.rollout.Game`,
+    # each episode's next turn sent as soon as its observation is ready. Without it, the rollout plays the
+    # episodes turn by turn through `generate` (`vagen.rollout.play_in_turns`).
 
 
 def sampling_from(rollout_cfg, do_sample: bool | None = None, seed: int = 0) -> Sampling:

@@ -302,23 +302,73 @@ class VLLMDecoder:
         outputs = self.llm.generate([self.prompt(ep) for ep in episodes],
                                     [self.sampling_params(sampling, row) for row in rows], use_tqdm=False,
                                     lora_request=self.lora_request)
-        generated = []
-        for row, episode, output in zip(rows, episodes, outputs):
-            if list(output.prompt_token_ids) != list(episode.input_ids):
-                first = next((k for k, (a, b) in enumerate(zip(output.prompt_token_ids, episode.input_ids)) if a != b),
-                             min(len(output.prompt_token_ids), len(episode.input_ids)))
-                raise RuntimeError(
-                    f"vLLM ran a different prompt from episode {row}'s token ids (first difference at position "
-                    f"{first} of {len(episode.input_ids)}; vLLM's has {len(output.prompt_token_ids)}): its image "
-                    f"processor expanded the frames to other token counts than the encoder's; check that "
-                    f"Episode.images were resized by ChatEncoder.resize")
-            completion = output.outputs[0]
-            ids = [int(t) for t in completion.token_ids]
-            logprobs = None
-            if completion.logprobs is not None:
-                logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, ids)]
-            generated.append(Generated(ids, logprobs))
-        return generated
+        return [self.completion(row, episode, output) for row, episode, output in zip(rows, episodes, outputs)]
+
+    def completion(self, row: int, episode: Episode, output) -> Generated:
+        """The ids and log-probabilities of a finished vLLM request for `episode`, once the prompt vLLM ran is
+        checked to be the episode's ids."""
+        if list(output.prompt_token_ids) != list(episode.input_ids):
+            first = next((k for k, (a, b) in enumerate(zip(output.prompt_token_ids, episode.input_ids)) if a != b),
+                         min(len(output.prompt_token_ids), len(episode.input_ids)))
+            raise RuntimeError(
+                f"vLLM ran a different prompt from episode {row}'s token ids (first difference at position "
+                f"{first} of {len(episode.input_ids)}; vLLM's has {len(output.prompt_token_ids)}): its image "
+                f"processor expanded the frames to other token counts than the encoder's; check that "
+                f"Episode.images were resized by ChatEncoder.resize")
+        completion = output.outputs[0]
+        ids = [int(t) for t in completion.token_ids]
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, ids)]
+        return Generated(ids, logprobs)
+
+    def play(self, game) -> None:
+        """The agent loop (`vagen.rollout.Game`): each episode's next request joins the engine's running batch
+        as soon as its observation is ready, and the engine steps (one forward pass over every running
+        request) while the environments answer, so no episode waits for a turn boundary. The engine waits
+        only when no request is running. A request is seeded by its episode's row and turn exactly as in
+        the per-turn schedule (`request_seed` of `turn_seed`), so what an episode samples depends on neither
+        its batch nor the order in which requests finish. Request ids name the episode and turn; the prefix
+        cache serves each turn's history whatever request brought it. `engine_steps` and
+        `engine_sequences` count the forward passes and the requests they ran."""
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep: it dropped its weights and KV cache for the update; "
+                               "call sync_weights(model), which wakes it with the updated weights, before generating")
+        engine, clock, timing = self.llm.llm_engine, time.perf_counter, game.timing
+        running: dict[str, int] = {}  # request id -> episode row
+        self.engine_steps = self.engine_sequences = 0
+        while True:
+            t0 = clock()
+            game.take_answers(block=not running)  # an idle engine waits for the next observation
+            game.ended.count()
+            for row in game.ready:
+                episode = game.episodes[row]
+                params = self.sampling_params(game.sampling(len(episode.turns)), row)
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = f"episode-{row}-turn-{len(episode.turns)}"
+                # What `LLM.generate` does to a prompt before `add_request`: the frames through vLLM's processor.
+                engine.add_request(request_id, self.llm._preprocess_cmpl_one(self.prompt(episode)), params,
+                                   lora_request=self.lora_request)
+                running[request_id] = row
+            game.ready.clear()
+            timing["timing/env"] += clock() - t0
+            if not running:
+                if game.finished():
+                    return
+                continue
+            t0 = clock()
+            self.engine_sequences += engine.get_num_unfinished_requests()
+            outputs = engine.step()
+            self.engine_steps += 1
+            timing["timing/generate"] += clock() - t0
+            t0 = clock()
+            for output in outputs:
+                if output.finished:
+                    row = running.pop(output.request_id)
+                    game.respond(row, self.completion(row, game.episodes[row], output))
+            timing["timing/env"] += clock() - t0
 
     # -- weights and memory -----------------------------------------------------------------------------
 

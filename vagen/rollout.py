@@ -146,8 +146,8 @@ class Game:
         return sampling_from(self.ro, self.do_sample, seed=turn_seed(self.sample_seed, turn))
 
     def finished(self) -> bool:
-        """No episode generates again: every one ended, and no environment has an answer to give."""
-        return not self.ready and not self.responses and all(ep.done for ep in self.episodes)
+        """No episode generates again: none is ready, and no environment has an answer still to give."""
+        return not self.ready and not self.responses
 
     def take_answers(self, block: bool = False, all_of_them: bool = False) -> None:
         """Apply the environments' answers that arrived (with `block`, wait for at least one while any is

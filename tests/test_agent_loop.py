@@ -1,0 +1,87 @@
+"""The agent loop of `rollout.backend=vllm` (`VLLMDecoder.play`) against the per-turn schedule, on real
+vLLM (the registry's CPU build, in the environment scripts/vllm_env.sh builds):
+
+    .venv-vllm/bin/python -m pytest -m vllm tests/test_agent_loop.py
+
+Scheduling must not change what an episode is: greedy episodes equal the per-turn schedule's, sampled
+ones replay from the seeds whatever the order in which requests finish, and the log-probability the
+engine reports for each sampled token is the trainer's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_vllm import TOLERANCE, config, require_vllm, sampled_gaps, standard_copy
+
+from vagen.config import checkpoints_dir, load_config
+from vagen.decoding_vllm import VLLMDecoder
+from vagen.episode import ChatEncoder
+from vagen.models import load_policy, resolve_model_path
+from vagen.rollout import rollout
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def text_engine(distributed):
+    """(model, encoder, decoder) of the shipped text warm start, a trained Qwen2 policy. Both engines of this
+    module run under a process group of one (as a trainer's rank does): the first engine built without one
+    would leave vLLM's own group behind, which the second would take for a trainer's."""
+    require_vllm()
+    path = checkpoints_dir() / "sokoban_text"
+    model, processor = load_policy(path)
+    encoder = ChatEncoder(processor)
+    return model.eval(), encoder, VLLMDecoder(path, encoder, dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="module")
+def vl_engine(model_cache, tmp_path_factory, distributed):
+    """(model, encoder, decoder) of the built-in tiny Qwen2.5-VL without vagen's image hooks."""
+    require_vllm()
+    path = standard_copy(resolve_model_path("builtin:tiny-vl", model_cache, seed=0),
+                         tmp_path_factory.mktemp("loop_vl") / "tiny-vl")
+    model, processor = load_policy(path)
+    encoder = ChatEncoder(processor)
+    return model.eval(), encoder, VLLMDecoder(path, encoder, dtype="float32", seed=0)
+
+
+def _played(episodes):
+    return [(ep.input_ids, [t.info.get("actions") for t in ep.turns], [t.reward for t in ep.turns], ep.success)
+            for ep in episodes]
+
+
+def test_greedy_agent_loop_plays_the_per_turn_episodes(text_engine):
+    model, encoder, decoder = text_engine
+    cfg = load_config(None, ["rollout.max_turns=3", "rollout.max_new_tokens=64", "env.name=sokoban",
+                             "env.render_mode=text"])
+    played = dict(seeds=[1_000_000_000 + k for k in range(16)], group_size=1, do_sample=False, decoder=decoder)
+    turns, _ = rollout(model, encoder, cfg, schedule="turns", **played)
+    loop, stats = rollout(model, encoder, cfg, **played)
+    assert _played(loop) == _played(turns)
+    assert sum(len(ep.turns) for ep in loop) > 16 and stats["timing/generate"] > 0
+    # the loop's forward passes carried several requests each: episodes joined the running batch
+    assert decoder.engine_sequences / decoder.engine_steps > 2
+
+
+def test_sampled_agent_loop_replays_from_the_seeds_whatever_finishes_first(vl_engine):
+    model, encoder, decoder = vl_engine
+    cfg = config("rollout.max_turns=3")
+    played = dict(seeds=[7, 8, 9, 10], group_size=3, decoder=decoder, sample_seed=5)
+    loop, _ = rollout(model, encoder, cfg, **played)
+    # Another finishing order: each request's turn in one batch, and environments answering from two workers.
+    turns, _ = rollout(model, encoder, cfg, schedule="turns", **played)
+    cfg.env.workers = 2
+    workers, _ = rollout(model, encoder, cfg, **played)
+    assert _played(loop) == _played(turns) == _played(workers)
+    assert len({tuple(ep.input_ids) for ep in loop}) == 12  # each episode drew its own responses
+    other, _ = rollout(model, encoder, cfg, **{**played, "sample_seed": 6})
+    assert _played(other) != _played(loop)
+
+
+def test_agent_loop_logprobs_are_the_trainers(vl_engine):
+    model, encoder, decoder = vl_engine
+    cfg = config("rollout.max_turns=3")
+    episodes, _ = rollout(model, encoder, cfg, [3, 4], 2, decoder=decoder, sample_seed=1)
+    gaps = sampled_gaps(model, encoder, episodes, cfg.rollout.temperature)
+    assert len(gaps) == sum(t.response_length - (not t.end_sampled) for ep in episodes for t in ep.turns) > 40
+    assert max(gaps) < TOLERANCE, max(gaps)
