@@ -125,9 +125,9 @@ def model_tensors(path: str, builtin_note: str = "") -> tuple[list | None, str]:
     if path.startswith("builtin:"):
         return None, f"model.path={path} is a built-in model of well under a million parameters: nothing to estimate"
     if path.startswith("assets:"):
-        from vagen.config import checkpoints_dir
+        from envs_visual.assets import ASSETS_DIR  # where vagen.config.checkpoints_dir finds the warm starts
 
-        directory = checkpoints_dir() / path.split(":", 1)[1]
+        directory = ASSETS_DIR / "checkpoints" / path.split(":", 1)[1]
     else:
         directory = Path(path).expanduser()
     if directory.is_dir() and list(directory.glob("*.safetensors")):

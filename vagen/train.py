@@ -31,25 +31,15 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from vagen.config import ConfigError, check_ranks, check_training, load_config_or_exit
+    from vagen.config import check_ranks, load_config_or_exit
 
     cfg = load_config_or_exit(args.config, args.overrides)  # fails fast, before torch loads
-    try:
-        check_training(cfg)
-        if cfg.model.lora_rank > 0:  # a target name that does not exist fails here, before anything is written
-            from vagen.models import check_lora_targets
-
-            check_lora_targets(cfg.model)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+    if refused(lambda: check_before_loading(cfg)):
         return 2
     from vagen.distributed import init_distributed
 
     dist = init_distributed()
-    try:
-        check_ranks(cfg, dist.world_size)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+    if refused(lambda: check_ranks(cfg, dist.world_size)):
         return 2
     import torch
 
@@ -110,6 +100,30 @@ def main(argv=None) -> int:
     close_envs(envs)
     run.finish()
     return return_code
+
+
+def refused(check) -> bool:
+    """Whether `check` (a callable) raised a ConfigError, which is then printed as a config error."""
+    from vagen.config import ConfigError
+
+    try:
+        check()
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return True
+    return False
+
+
+def check_before_loading(cfg) -> None:
+    """The checks of training that need no rank: sampling settings, the DeepSpeed config, LoRA's target names
+    (a name that does not exist fails here, before anything is written)."""
+    from vagen.config import check_training
+
+    check_training(cfg)
+    if cfg.model.lora_rank > 0:
+        from vagen.models import check_lora_targets
+
+        check_lora_targets(cfg.model)
 
 
 WATCHED = {"grad_norm": "actor/grad_norm", "entropy_mean": "actor/entropy_mean",
