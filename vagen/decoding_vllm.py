@@ -340,7 +340,6 @@ class VLLMDecoder:
         running: dict[str, int] = {}  # request id -> episode row
         self.engine_steps = self.engine_sequences = 0
         while True:
-            t0 = clock()
             game.take_answers(block=not running)  # an idle engine waits for the next observation
             game.ended.count()
             for row in game.ready:
@@ -353,7 +352,6 @@ class VLLMDecoder:
                                    lora_request=self.lora_request)
                 running[request_id] = row
             game.ready.clear()
-            timing["timing/env"] += clock() - t0
             if not running:
                 if game.finished():
                     return
@@ -363,12 +361,10 @@ class VLLMDecoder:
             outputs = engine.step()
             self.engine_steps += 1
             timing["timing/generate"] += clock() - t0
-            t0 = clock()
             for output in outputs:
                 if output.finished:
                     row = running.pop(output.request_id)
                     game.respond(row, self.completion(row, game.episodes[row], output))
-            timing["timing/env"] += clock() - t0
 
     # -- weights and memory -----------------------------------------------------------------------------
 

@@ -96,9 +96,7 @@ def play_in_turns(decoder: Decoder, game: Game) -> None:
     """The per-turn schedule: every running episode's turn t goes to `decoder.generate` as one batch, and
     turn t + 1 starts once every environment has answered turn t (stepped in parallel with workers)."""
     for turn in range(game.max_turns):
-        t0 = time.perf_counter()
         game.take_answers(block=True, all_of_them=True)
-        game.timing["timing/env"] += time.perf_counter() - t0
         game.ended.count()
         active = [i for i in game.ready]
         game.ready.clear()
@@ -109,20 +107,17 @@ def play_in_turns(decoder: Decoder, game: Game) -> None:
         t0 = time.perf_counter()
         generated = decoder.generate([game.episodes[i] for i in active], active, game.sampling(turn))
         game.timing["timing/generate"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
         for i, new in zip(active, generated):
             game.respond(i, new)
-        game.timing["timing/env"] += time.perf_counter() - t0
-    t0 = time.perf_counter()
     game.take_answers(block=True, all_of_them=True)  # the last turn's
-    game.timing["timing/env"] += time.perf_counter() - t0
 
 
 class Game:
     """The episodes of one rollout as a decoder plays them, whatever the schedule. A decoder takes
     `ready` (episodes whose next prompt is in their `input_ids`, ascending), answers each with `respond`
     (which sends the response to its environment), and collects the environments' answers with
-    `take_answers`, which opens the next turns. `timing` collects the rollout's metrics."""
+    `take_answers`, which opens the next turns. `timing` collects the rollout's metrics: `timing/env` is the
+    time spent stepping environments here or waiting for a worker's answer, the decoder's wait for them."""
 
     def __init__(self, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int, pool, do_sample, sample_seed: int,
                  on_step=None, progress=None):
@@ -153,7 +148,9 @@ class Game:
         """Apply the environments' answers that arrived (with `block`, wait for at least one while any is
         due; with `all_of_them`, for every one due) and open each answered episode's next turn."""
         while True:
+            t0 = time.perf_counter()
             answers = self.pool.answers(block=block and self.pool.busy())
+            self.timing["timing/env"] += time.perf_counter() - t0
             for answer in sorted(answers, key=lambda a: a.index):
                 if answer.kind == "reset":
                     self.reset_answered(answer)
@@ -190,7 +187,9 @@ class Game:
         ep.input_ids += ids
         self.responses[i] = (new, ids, text, start)
         self.timing["rollout/generated_tokens"] += len(ids)
-        self.pool.step(i, text)
+        t0 = time.perf_counter()
+        self.pool.step(i, text)  # in this process (env.workers=0) the step runs here
+        self.timing["timing/env"] += time.perf_counter() - t0
 
     def step_answered(self, answer) -> None:
         """Record the turn the environment answered; an environment that raised ends the episode there,

@@ -1,0 +1,130 @@
+"""The two rollout schedules of `rollout.backend=vllm` on the same levels and seeds: the per-turn loop
+(every running episode's turn in one batch; the next turn once all environments answered) against the
+agent loop (`VLLMDecoder.play`: each episode's next request joins the running batch as soon as its
+observation is ready). Information only: nothing is asserted. Runs in the vLLM environment:
+
+    .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting sokoban64     # 16 x 8, 3 turns, 64 tokens
+    .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting sokoban256    # 256 tokens, 5 turns
+    .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting navigation   # env.workers 0 and 2
+
+The policy is the environment's shipped warm start with vagen's image hooks taken out of its config (stock
+vLLM does not run them), at temperature 1. For each schedule: rollout wall time, the engine's forward
+passes (scheduler steps that ran at least one request), the mean number of requests per forward pass,
+and the share of the rollout the engine spent waiting for environments (stepping them in this process,
+or waiting for a worker's answer). Each schedule plays the levels `--repeats` times after one warm-up
+rollout (the engine's compilation); the figures are means over the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SETTINGS = {  # config, overrides, (schedule, env.workers) pairs
+    "sokoban64": ("sokoban_visual", ["rollout.max_turns=3", "rollout.max_new_tokens=64"],
+                  [("turns", 0), ("loop", 0)]),
+    "sokoban256": ("sokoban_visual", ["rollout.max_turns=5", "rollout.max_new_tokens=256"],
+                   [("turns", 0), ("loop", 0)]),
+    "navigation": ("navigation_visual", [], [("turns", 0), ("loop", 0), ("turns", 2), ("loop", 2)]),
+}
+
+
+def standard_warm_start(config: str, out: Path) -> Path:
+    """A copy of the shipped warm start of `config` whose config.json turns vagen's image hooks off."""
+    from vagen.config import load_config
+    from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, base_checkpoint
+
+    shutil.copytree(base_checkpoint(load_config(config, []).model), out)
+    settings = json.loads((out / "config.json").read_text())
+    for key in (CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE):
+        settings.pop(key, None)
+    (out / "config.json").write_text(json.dumps(settings, indent=2))
+    return out
+
+
+def count_forward_passes(decoder) -> dict:
+    """Wrap the engine's scheduler so that every step that runs requests is counted with its requests."""
+    scheduler = decoder.llm.llm_engine.engine_core.engine_core.scheduler
+    counts = {"steps": 0, "sequences": 0}
+    schedule = scheduler.schedule
+
+    def counted(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        if output.num_scheduled_tokens:
+            counts["steps"] += 1
+            counts["sequences"] += len(output.num_scheduled_tokens)
+        return output
+
+    scheduler.schedule = counted
+    return counts
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="sokoban64")
+    parser.add_argument("--groups", type=int, default=16, help="level groups")
+    parser.add_argument("--group-size", type=int, default=8, help="rollouts per level group")
+    parser.add_argument("--repeats", type=int, default=1, help="measured rollouts per schedule, after a warm-up")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from vagen.config import load_config
+    from vagen.decoding_vllm import VLLMDecoder
+    from vagen.episode import ChatEncoder, train_seeds
+    from vagen.models import load_policy
+    from vagen.rollout import close_envs, make_envs, rollout
+
+    config, overrides, runs = SETTINGS[args.setting]
+    work = Path(tempfile.mkdtemp(prefix="vagen_bench_loop_"))
+    path = standard_warm_start(config, work / "model")
+    model, processor = load_policy(path, "float32")
+    encoder = ChatEncoder(processor)
+    cfg = load_config(config, [f"model.path={path}", "rollout.temperature=1.0", "rollout.max_trajectory_length=8192",
+                               *overrides])
+    decoder = VLLMDecoder(path, encoder, dtype="float32", seed=0)
+    counts = count_forward_passes(decoder)
+    seeds = train_seeds(0, args.groups)
+    rows = []
+    for schedule, workers in runs:
+        cfg.env.workers = workers
+        envs = make_envs(cfg.env, len(seeds) * args.group_size)
+        measured = []
+        for repeat in range(args.repeats + 1):
+            counts.update(steps=0, sequences=0)
+            t0 = time.perf_counter()
+            episodes, timing = rollout(model, encoder, cfg, seeds, args.group_size, decoder=decoder, envs=envs,
+                                       schedule=schedule, sample_seed=repeat)
+            wall = time.perf_counter() - t0
+            tokens = sum(t.response_length for ep in episodes for t in ep.turns)
+            print(f"{schedule} workers={workers} rollout {repeat}: {wall:.1f} s, {counts['steps']} forward passes, "
+                  f"{tokens} tokens, env {timing['timing/env']:.1f} s", flush=True)
+            if repeat:  # the first is warm-up
+                measured.append((wall, counts["steps"], counts["sequences"], timing["timing/env"], tokens))
+        close_envs(envs)
+        mean = [sum(m[k] for m in measured) / len(measured) for k in range(5)]
+        rows.append((schedule, workers, *mean))
+    decoder.close()
+    shutil.rmtree(work, ignore_errors=True)
+
+    print(f"\n{args.setting}: {config} {' '.join(overrides)}, {args.groups} x {args.group_size} rollouts, temperature 1, "
+          f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads), mean of {args.repeats}")
+    print("| schedule | env.workers | rollout wall s | forward passes | sequences / pass | engine waits for envs | "
+          "tokens |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for schedule, workers, wall, steps, sequences, env, tokens in rows:
+        print(f"| {'per-turn' if schedule == 'turns' else 'agent loop'} | {workers} | {wall:.1f} | {steps:.0f} | "
+              f"{sequences / max(steps, 1):.1f} | {env / wall:.1%} | {tokens:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
