@@ -1,6 +1,6 @@
 """GPU recipes (configs/recipes/): composition with an environment config, the checks of
 `python -m vagen.config ... --ranks N`, the per-GPU memory estimate, and two iterations of each recipe
-on the CPU with its checkpoint swapped for a tiny Qwen2.5-VL."""
+on the CPU with its checkpoint swapped for a tiny model of its family (Qwen2.5-VL, Qwen3-VL)."""
 
 import json
 import re
@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from vagen.config import CONFIGS_DIR, ConfigError, check_config, load_config, load_configs
-from vagen.memory import GIB, KNOWN_SHAPES, estimate, lora_parameters, qwen2_5_vl_tensors
+from vagen.memory import (
+    GIB,
+    KNOWN_SHAPES,
+    estimate,
+    known_tensors,
+    lora_parameters,
+    qwen2_5_vl_tensors,
+    qwen3_vl_tensors,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p.stem for p in (CONFIGS_DIR / "recipes").glob("*.yaml"))
@@ -24,8 +32,9 @@ def _stated_gpus(name: str) -> int:
     return int(re.search(r"deepspeed --num_gpus (\d+) vagen/train.py", header).group(1))
 
 
-def test_the_recipes_are_the_four_qwen2_5_vl_ones():
-    assert RECIPES == ["qwen2.5-vl-3b", "qwen2.5-vl-3b-lora", "qwen2.5-vl-7b", "qwen2.5-vl-7b-lora"]
+def test_the_recipes_are_the_qwen2_5_vl_and_qwen3_vl_ones():
+    assert RECIPES == ["qwen2.5-vl-3b", "qwen2.5-vl-3b-lora", "qwen2.5-vl-7b", "qwen2.5-vl-7b-lora",
+                       "qwen3-vl-4b", "qwen3-vl-8b"]
 
 
 def test_a_recipe_composes_over_an_environment_config():
@@ -103,8 +112,13 @@ def test_config_cli_checks_ranks_without_torch():
 
 
 def test_known_shapes_count_the_published_parameters():
-    counts = {name: sum(_numel(s) for _, s in qwen2_5_vl_tensors(**shape)) for name, shape in KNOWN_SHAPES.items()}
-    assert counts == {"Qwen2.5-VL-3B-Instruct": 3_754_622_976, "Qwen2.5-VL-7B-Instruct": 8_292_166_656}
+    # the model cards give 3.75 B, 8.29 B, 4.44 B and 8.77 B
+    counts = {name: sum(_numel(s) for _, s in known_tensors(name)) for name in KNOWN_SHAPES}
+    assert counts == {"Qwen2.5-VL-3B-Instruct": 3_754_622_976, "Qwen2.5-VL-7B-Instruct": 8_292_166_656,
+                      "Qwen3-VL-4B-Instruct": 4_437_815_808, "Qwen3-VL-8B-Instruct": 8_767_123_696}
+    # the 8B's tower: 27 blocks of width 1152, four mergers (the final one and three DeepStack taps)
+    vision = sum(_numel(s) for name, s in known_tensors("Qwen3-VL-8B-Instruct") if name.startswith("model.visual."))
+    assert vision == 576_388_336
 
 
 def test_shape_formula_names_and_sizes_every_tensor_transformers_builds():
@@ -122,6 +136,30 @@ def test_shape_formula_names_and_sizes_every_tensor_transformers_builds():
     model = Qwen2_5_VLForConditionalGeneration(config)
     built = {name: tuple(p.shape) for name, p in model.named_parameters()}
     assert dict(qwen2_5_vl_tensors(text, vision)) == built
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen3_vl_shape_formula_names_and_sizes_every_tensor_transformers_builds(tied):
+    """head_dim apart from hidden / heads, q/k norms, the tower's biases and position embeddings, and one
+    merger per DeepStack tap normalising the merged (4 x hidden) features."""
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=24, vocab_size=300, tie_word_embeddings=tied)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=64, patch_size=16,
+                  temporal_patch_size=2, in_channels=3, spatial_merge_size=2, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 2])
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 4, 4], "mrope_interleaved": True}
+    config = Qwen3VLConfig(text_config={**text, "rope_parameters": rope}, vision_config={**vision, "num_heads": 2},
+                           tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(config)
+    built = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    formula = dict(qwen3_vl_tensors(text, vision))
+    assert formula == built
+    assert ("lm_head.weight" in formula) == (not tied)
+    assert formula["model.visual.deepstack_merger_list.1.norm.weight"] == (128,)
 
 
 def test_lora_share_matches_the_measured_adapter_count():
@@ -219,6 +257,14 @@ def test_a_recipe_trains_two_iterations_with_a_tiny_qwen2_5_vl(tmp_path, model_c
     on a CPU takes minutes: the slow tests run every recipe, and with its own DeepSpeed config)."""
     saved = _train_recipe("qwen2.5-vl-3b", tmp_path, model_cache, FP32)
     assert saved.algo.clip_high == 0.28 and saved.algo.kl_coef == 0.001 and saved.model.gradient_checkpointing
+
+
+def test_a_qwen3_vl_recipe_trains_two_iterations_with_the_tiny_qwen3_vl(tmp_path, model_cache, distributed):
+    """The 8B recipe (ZeRO-3 in its own DeepSpeed config, swapped for ZeRO-0 in float32 as above) on the
+    built-in Qwen3-VL: the family's loading, its 16-pixel frames and DeepStack under the recipe's keys."""
+    saved = _train_recipe("qwen3-vl-8b", tmp_path, model_cache, [*FP32, "model.path=builtin:tiny-qwen3-vl"])
+    assert saved.model.path == "builtin:tiny-qwen3-vl" and saved.algo.kl_coef == 0.001
+    assert saved.vllm.gpu_memory_utilization == 0.4 and saved.train.keep_checkpoints == 1
 
 
 @pytest.mark.slow

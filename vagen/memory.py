@@ -29,18 +29,39 @@ from pathlib import Path
 GIB = 1024 ** 3
 
 # Published shapes (the checkpoints' config.json) of the checkpoints the estimate knows by name, matched
-# against the last component of model.path when that directory is not on this machine.
+# against the last component of model.path when that directory is not on this machine; `model_type` picks
+# the formula below that names their tensors.
 KNOWN_SHAPES = {
     "Qwen2.5-VL-3B-Instruct": dict(
+        model_type="qwen2_5_vl",
         text=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                   num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True),
         vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, out_hidden_size=2048, patch_size=14,
                     temporal_patch_size=2, in_channels=3, spatial_merge_size=2)),
     "Qwen2.5-VL-7B-Instruct": dict(
+        model_type="qwen2_5_vl",
         text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                   num_key_value_heads=4, vocab_size=152_064, tie_word_embeddings=False),
         vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, out_hidden_size=3584, patch_size=14,
                     temporal_patch_size=2, in_channels=3, spatial_merge_size=2)),
+    # Qwen/Qwen3-VL-4B-Instruct config.json: a Qwen3-4B language model (head_dim 128, tied embeddings) and a
+    # 24-block tower of width 1024 with DeepStack taps after blocks 5, 11 and 17
+    "Qwen3-VL-4B-Instruct": dict(
+        model_type="qwen3_vl",
+        text=dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=True),
+        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, out_hidden_size=2560, patch_size=16,
+                    temporal_patch_size=2, in_channels=3, spatial_merge_size=2, num_position_embeddings=2304,
+                    deepstack_visual_indexes=[5, 11, 17])),
+    # Qwen/Qwen3-VL-8B-Instruct config.json: a Qwen3-8B language model (untied lm_head); its tower is
+    # transformers' Qwen3VLVisionConfig defaults (27 blocks of width 1152, taps after 8, 16 and 24)
+    "Qwen3-VL-8B-Instruct": dict(
+        model_type="qwen3_vl",
+        text=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=False),
+        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, out_hidden_size=4096, patch_size=16,
+                    temporal_patch_size=2, in_channels=3, spatial_merge_size=2, num_position_embeddings=2304,
+                    deepstack_visual_indexes=[8, 16, 24])),
 }
 
 
@@ -78,6 +99,63 @@ def qwen2_5_vl_tensors(text: dict, vision: dict) -> list[tuple[str, tuple[int, .
             ("model.visual.merger.mlp.2.weight", (vision["out_hidden_size"], merged)),
             ("model.visual.merger.mlp.2.bias", (vision["out_hidden_size"],))]
     return out
+
+
+def qwen3_vl_tensors(text: dict, vision: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of a Qwen3-VL model of this shape, named as transformers saves them.
+
+    Against Qwen2.5-VL: the language model is Qwen3's (no q/k/v biases; RMS norms of each head's queries and
+    keys; head_dim set apart from hidden / heads); the tower has LayerNorms with biases, a biased patch
+    embedding, learnt position embeddings, a two-layer GELU MLP, and one merger per DeepStack tap beside the
+    final one, each normalising the 2x2-merged features (width 4 x hidden) rather than the patch features."""
+    h, layers = text["hidden_size"], text["num_hidden_layers"]
+    head_dim = text.get("head_dim") or h // text["num_attention_heads"]
+    q, kv, inter = text["num_attention_heads"] * head_dim, text["num_key_value_heads"] * head_dim, text["intermediate_size"]
+    out = [("model.language_model.embed_tokens.weight", (text["vocab_size"], h))]
+    for i in range(layers):
+        p = f"model.language_model.layers.{i}"
+        out += [(f"{p}.self_attn.q_proj.weight", (q, h)), (f"{p}.self_attn.k_proj.weight", (kv, h)),
+                (f"{p}.self_attn.v_proj.weight", (kv, h)), (f"{p}.self_attn.o_proj.weight", (h, q)),
+                (f"{p}.self_attn.q_norm.weight", (head_dim,)), (f"{p}.self_attn.k_norm.weight", (head_dim,)),
+                (f"{p}.mlp.gate_proj.weight", (inter, h)), (f"{p}.mlp.up_proj.weight", (inter, h)),
+                (f"{p}.mlp.down_proj.weight", (h, inter)),
+                (f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
+    out.append(("model.language_model.norm.weight", (h,)))
+    if not text.get("tie_word_embeddings", True):
+        out.append(("lm_head.weight", (text["vocab_size"], h)))
+    vh, vi, merged = vision["hidden_size"], vision["intermediate_size"], vision["hidden_size"] * vision["spatial_merge_size"] ** 2
+    vout = vision["out_hidden_size"]
+    out += [("model.visual.patch_embed.proj.weight",
+             (vh, vision["in_channels"], vision["temporal_patch_size"], vision["patch_size"], vision["patch_size"])),
+            ("model.visual.patch_embed.proj.bias", (vh,)),
+            ("model.visual.pos_embed.weight", (vision["num_position_embeddings"], vh))]
+    for i in range(vision["depth"]):
+        p = f"model.visual.blocks.{i}"
+        out += [(f"{p}.norm1.weight", (vh,)), (f"{p}.norm1.bias", (vh,)),
+                (f"{p}.norm2.weight", (vh,)), (f"{p}.norm2.bias", (vh,)),
+                (f"{p}.attn.qkv.weight", (3 * vh, vh)), (f"{p}.attn.qkv.bias", (3 * vh,)),
+                (f"{p}.attn.proj.weight", (vh, vh)), (f"{p}.attn.proj.bias", (vh,)),
+                (f"{p}.mlp.linear_fc1.weight", (vi, vh)), (f"{p}.mlp.linear_fc1.bias", (vi,)),
+                (f"{p}.mlp.linear_fc2.weight", (vh, vi)), (f"{p}.mlp.linear_fc2.bias", (vh,))]
+
+    def merger(prefix: str, norm_width: int) -> list:
+        return [(f"{prefix}.norm.weight", (norm_width,)), (f"{prefix}.norm.bias", (norm_width,)),
+                (f"{prefix}.linear_fc1.weight", (merged, merged)), (f"{prefix}.linear_fc1.bias", (merged,)),
+                (f"{prefix}.linear_fc2.weight", (vout, merged)), (f"{prefix}.linear_fc2.bias", (vout,))]
+
+    out += merger("model.visual.merger", vh)
+    for j in range(len(vision["deepstack_visual_indexes"])):
+        out += merger(f"model.visual.deepstack_merger_list.{j}", merged)
+    return out
+
+
+SHAPE_FORMULAS = {"qwen2_5_vl": qwen2_5_vl_tensors, "qwen3_vl": qwen3_vl_tensors}
+
+
+def known_tensors(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of the checkpoint `name` of KNOWN_SHAPES."""
+    shape = KNOWN_SHAPES[name]
+    return SHAPE_FORMULAS[shape["model_type"]](shape["text"], shape["vision"])
 
 
 def safetensors_tensors(directory: Path) -> list[tuple[str, tuple[int, ...]]]:
@@ -138,8 +216,8 @@ def model_tensors(path: str, builtin_note: str = "") -> tuple[list | None, str]:
     if match is None:
         return None, (f"model.path={path} is not on this machine and {name!r} is not a checkpoint of known shape "
                       f"({', '.join(KNOWN_SHAPES)}): parameters not counted")
-    return qwen2_5_vl_tensors(**KNOWN_SHAPES[match]), (f"the published shape of {match} (model.path={path} is not "
-                                                       f"on this machine: the checks ran without it)")
+    return known_tensors(match), (f"the published shape of {match} (model.path={path} is not on this machine: "
+                                  f"the checks ran without it)")
 
 
 def estimate(cfg, ranks: int, deepspeed: dict) -> Estimate:
