@@ -40,8 +40,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 @dataclass
 class ModelConfig:
     path: str = _f("builtin:tiny-vl", "the checkpoint training starts from, trained as given: a local HF checkpoint "
-                                      "dir, a shipped warm start assets:NAME (assets/checkpoints/NAME), or a random "
-                                      "built-in builtin:tiny-vl / builtin:tiny-text")
+                                      "dir (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Qwen2/Qwen3 text), a shipped "
+                                      "warm start assets:NAME (assets/checkpoints/NAME), or a random built-in "
+                                      "builtin:tiny-vl / tiny-qwen3-vl / tiny-qwen3.5 / tiny-text")
     critic_path: str | None = _f(None, "critic init: a checkpoint the actor could start from (its weights, a new value "
                                        "head), or a critic vagen saved (runs/<run>/checkpoints/step_N[/critic], "
                                        "backbone and value head); null = the actor's weights")
