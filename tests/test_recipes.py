@@ -34,7 +34,7 @@ def _stated_gpus(name: str) -> int:
 
 def test_the_recipes_are_the_qwen2_5_vl_and_qwen3_vl_ones():
     assert RECIPES == ["qwen2.5-vl-3b", "qwen2.5-vl-3b-lora", "qwen2.5-vl-7b", "qwen2.5-vl-7b-lora",
-                       "qwen3-vl-4b", "qwen3-vl-8b"]
+                       "qwen3-vl-4b", "qwen3-vl-4b-lora", "qwen3-vl-8b", "qwen3-vl-8b-lora"]
 
 
 def test_a_recipe_composes_over_an_environment_config():
