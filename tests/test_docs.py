@@ -128,7 +128,8 @@ def test_the_readme_is_the_front_door():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for command in ("apt-get update && apt-get install -y chromium chromium-driver",
                     'pip install -e ".[test]" && ruff check . && pytest',
-                    'bash scripts/vllm_env.sh && .venv-vllm/bin/python -m pytest -m "vllm and not slow" tests/test_vllm.py'):
+                    'bash scripts/vllm_env.sh && .venv-vllm/bin/python -m pytest -m "vllm and not slow" tests/test_vllm.py '
+                    'tests/test_vllm_lora.py tests/test_vllm_families.py tests/test_agent_loop.py'):
         assert command in lines, command
         assert any(line.startswith(command) for line in ci), command
 

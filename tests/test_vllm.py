@@ -90,20 +90,31 @@ def config(*overrides: str):
 
 
 def record_requests(decoder: VLLMDecoder, monkeypatch) -> list[dict]:
-    """What the engine itself reports for every request from now on: the prompt ids it ran, the ids it
-    generated and its log-probability of each."""
+    """What the engine itself reports for every request from now on, whether a turn's batch or the agent loop
+    sent it: the prompt ids it ran, the ids it generated and its log-probability of each."""
     requests = []
-    engine_generate = decoder.llm.generate
+    engine_generate, engine_step = decoder.llm.generate, decoder.llm.llm_engine.step
 
-    def recording(*args, **kwargs):
+    def record(output):
+        completion = output.outputs[0]
+        requests.append({"prompt": list(output.prompt_token_ids), "ids": list(completion.token_ids),
+                         "logprobs": [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]})
+
+    def recording(*args, **kwargs):  # a batch of one turn (`generate`)
         outputs = engine_generate(*args, **kwargs)
         for output in outputs:
-            completion = output.outputs[0]
-            requests.append({"prompt": list(output.prompt_token_ids), "ids": list(completion.token_ids),
-                             "logprobs": [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]})
+            record(output)
+        return outputs
+
+    def stepping(*args, **kwargs):  # the agent loop (`play`): requests that finish at this engine step
+        outputs = engine_step(*args, **kwargs)
+        for output in outputs:
+            if output.finished:
+                record(output)
         return outputs
 
     monkeypatch.setattr(decoder.llm, "generate", recording)
+    monkeypatch.setattr(decoder.llm.llm_engine, "step", stepping)
     return requests
 
 

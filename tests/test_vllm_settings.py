@@ -15,12 +15,12 @@ GIB = 2**30
 def test_each_rank_engine_uses_the_external_launcher_with_the_rank_of_the_environment(monkeypatch):
     for key, value in {"RANK": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(key, value)
-    assert dv.placement(1, trainer_group=True) == {"distributed_executor_backend": "external_launcher"}
-    assert dv.placement(1, trainer_group=False) == {}  # one process: vLLM's own executor, device 0 is its own
-    assert dv.placement(2, trainer_group=False) == {}  # tensor-parallel workers of its own
+    assert dv.placement(1, ranks=8) == {"distributed_executor_backend": "external_launcher"}
+    assert dv.placement(1, ranks=1) == {}  # one rank: vLLM's own executor, whose device 0 is the rank's
+    assert dv.placement(2, ranks=1) == {}  # tensor-parallel workers of its own
     monkeypatch.delenv("LOCAL_RANK")
     with pytest.raises(RuntimeError, match=r"\['LOCAL_RANK'\] are not set"):
-        dv.placement(1, trainer_group=True)
+        dv.placement(1, ranks=8)
 
 
 def test_cuda_graphs_by_default_on_a_gpu_and_eager_on_the_cpu():

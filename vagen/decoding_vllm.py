@@ -32,7 +32,8 @@ new weights, then the KV cache. Before waking, the free memory is compared with 
 so an update whose optimizer states left too little room fails with a message instead of an out-of-memory
 error inside vLLM. On the CPU sleeping does nothing.
 
-Placement. Under a trainer's process group every rank's engine uses vLLM's `external_launcher` executor:
+Placement. Under a trainer's process group of several ranks every rank's engine uses vLLM's
+`external_launcher` executor:
 the engine's one worker runs in the trainer's process with the trainer's RANK and LOCAL_RANK, so on a GPU
 it sits on the rank's own device (vLLM's single-process executor would put every rank's engine on GPU 0,
 and make GPU 0 the trainer's current device). Tensor parallelism (`vllm.tensor_parallel_size > 1`) spawns
@@ -189,7 +190,7 @@ class VLLMDecoder:
             generation_config="vllm",  # the checkpoint's sampling defaults would change the distribution
             logprobs_mode="processed_logprobs",  # of the distribution sampled from: masked, after temperature
             logits_processors=[f"{__name__}:SuppressTokens"],
-            **placement(tensor_parallel, trainer_group),
+            **placement(tensor_parallel, ranks),
         )
         if self.on_gpu:
             options["enable_sleep_mode"] = bool(self.settings["sleep_mode"])
@@ -467,13 +468,13 @@ class VLLMDecoder:
             self.adapter_dir = None
 
 
-def placement(tensor_parallel: int, trainer_group: bool) -> dict:
-    """vLLM's executor for an engine built inside a trainer rank: `external_launcher` under a process group,
-    which gives the engine's worker the rank's RANK and LOCAL_RANK (its GPU); the default otherwise (one
-    process, or tensor-parallel workers of its own)."""
-    if tensor_parallel > 1 or not trainer_group:
+def placement(tensor_parallel: int, ranks: int) -> dict:
+    """vLLM's executor for an engine built inside a trainer rank: `external_launcher` under a process group of
+    several ranks, which gives the engine's worker the rank's RANK and LOCAL_RANK (its GPU); the default
+    otherwise (one rank, whose device is the engine's device 0, or tensor-parallel workers of its own)."""
+    if tensor_parallel > 1 or ranks == 1:
         return {}
-    missing = [key for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
+    missing = [key for key in ("RANK", "LOCAL_RANK") if key not in os.environ]
     if missing:
         raise RuntimeError(f"a vLLM engine inside a trainer rank reads its rank from the environment, but {missing} "
                            f"are not set; start the job with the DeepSpeed launcher (deepspeed vagen/train.py) or "
