@@ -172,13 +172,7 @@ def test_shared_prefix_forward_equals_the_padded_forward(config, tiny_vl, tiny_t
     plain = model(**inputs, use_cache=False).logits[:, positions]
     assert torch.allclose(shared[generated], plain[generated], atol=1e-5)
 
-    shared[generated].logsumexp(-1).mean().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    plain[generated].logsumexp(-1).mean().backward()
-    for grad, parameter in zip(grads, model.parameters()):
-        assert torch.allclose(grad, parameter.grad, atol=1e-6)
-    model.zero_grad()
+    assert_equal_gradients(model, shared[generated], plain[generated])
 
     real = batch["attention_mask"].bool()
     with torch.no_grad():
@@ -230,3 +224,14 @@ def test_an_appended_im_end_is_a_turn_end_but_not_sampled(tiny_text):
     assert torch.equal(sample.loss_mask, expected_loss)
     assert torch.equal(sample.sampled_mask, expected_sampled)
     assert sample.turn_end_mask[e1 - 1] == 1 and sample.token_rewards[e1 - 1] == 1.0  # still the turn's end
+
+
+def assert_equal_gradients(model, first: torch.Tensor, second: torch.Tensor) -> None:
+    """The gradients of the same loss (mean log-sum-exp of the logits) through two forwards of `model` agree."""
+    first.logsumexp(-1).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    second.logsumexp(-1).mean().backward()
+    for grad, parameter in zip(grads, model.parameters()):
+        assert torch.allclose(grad, parameter.grad, atol=1e-6)
+    model.zero_grad()
