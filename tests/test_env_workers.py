@@ -2,6 +2,7 @@
 environment that raises, hangs or kills its worker ends only its own episode."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,5 +94,12 @@ def test_a_step_that_raises_hangs_or_kills_its_worker_ends_only_its_episode(tiny
 def test_on_step_needs_the_environments_in_this_process(tiny_text):
     _, model, tokenizer = tiny_text
     cfg = load_config("sokoban_text", ["env.workers=1"])
+    before = _child_processes()
     with pytest.raises(ValueError, match="lives in a worker process with env.workers > 0; use env.workers=0"):
         rollout(model, ChatEncoder(tokenizer), cfg, [1], 1, on_step=lambda *args: None)
+    assert _child_processes() == before  # the workers the refused rollout started are gone
+
+
+def _child_processes() -> set[int]:
+    """This process's children (Linux's /proc), finished ones not yet waited for included."""
+    return {int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()}

@@ -63,22 +63,23 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
     loop, `decoder.play`); default: the loop where the decoder has one.
     Returns the episodes and timing/length metrics. `progress` (a `vagen.console.progress_bar`) is
     advanced by one as each episode ends; `sample_seed` seeds engines that seed each request."""
+    if schedule not in (None, "turns", "loop"):
+        raise ValueError(f"rollout(schedule={schedule!r}); choices: turns, loop, None (the decoder's own)")
+    decoder = decoder if decoder is not None else make_decoder(cfg, model, encoder)
+    if schedule == "loop" and not hasattr(decoder, "play"):
+        raise ValueError(f"{type(decoder).__name__} has no agent loop (play); use schedule='turns'")
     n = len(seeds) * group_size
     owned = envs is None
     envs = make_envs(cfg.env, n) if owned else envs
-    pool = InProcessEnvs(envs, cfg.env.step_timeout) if isinstance(envs, list) else envs
-    assert len(pool) == n, f"{len(pool)=} {n=}"
-    if on_step is not None and not isinstance(pool, InProcessEnvs):
-        raise ValueError("rollout(on_step=...) is called with the environment object, which lives in a worker "
-                         "process with env.workers > 0; use env.workers=0, or read the step's info from the episodes")
-    decoder = decoder if decoder is not None else make_decoder(cfg, model, encoder)
-    if schedule not in (None, "turns", "loop"):
-        raise ValueError(f"rollout(schedule={schedule!r}); choices: turns, loop, None (the decoder's own)")
-    if schedule == "loop" and not hasattr(decoder, "play"):
-        raise ValueError(f"{type(decoder).__name__} has no agent loop (play); use schedule='turns'")
-    game = Game(encoder, cfg, seeds, group_size, pool, do_sample, sample_seed, on_step, progress)
-    decoder.start_rollout()
-    try:
+    try:  # environments made here are closed whatever fails, their worker processes included
+        pool = InProcessEnvs(envs, cfg.env.step_timeout) if isinstance(envs, list) else envs
+        assert len(pool) == n, f"{len(pool)=} {n=}"
+        if on_step is not None and not isinstance(pool, InProcessEnvs):
+            raise ValueError("rollout(on_step=...) is called with the environment object, which lives in a worker "
+                             "process with env.workers > 0; use env.workers=0, or read the step's info from the "
+                             "episodes")
+        game = Game(encoder, cfg, seeds, group_size, pool, do_sample, sample_seed, on_step, progress)
+        decoder.start_rollout()
         if schedule == "turns" or not hasattr(decoder, "play"):
             play_in_turns(decoder, game)
         else:
