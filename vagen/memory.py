@@ -65,24 +65,34 @@ KNOWN_SHAPES = {
 }
 
 
-def qwen2_5_vl_tensors(text: dict, vision: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter of a Qwen2.5-VL model of this shape, named as transformers saves them."""
+def _language_tensors(text: dict, qk_norm: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of a Qwen2 (`qk_norm=False`: q/k/v biases) or Qwen3 (`qk_norm=True`: no
+    biases, RMS norms of each head's queries and keys) language model inside a VLM, with its head."""
     h, layers = text["hidden_size"], text["num_hidden_layers"]
     head_dim = text.get("head_dim") or h // text["num_attention_heads"]
     q, kv, inter = text["num_attention_heads"] * head_dim, text["num_key_value_heads"] * head_dim, text["intermediate_size"]
     out = [("model.language_model.embed_tokens.weight", (text["vocab_size"], h))]
     for i in range(layers):
         p = f"model.language_model.layers.{i}"
-        out += [(f"{p}.self_attn.q_proj.weight", (q, h)), (f"{p}.self_attn.q_proj.bias", (q,)),
-                (f"{p}.self_attn.k_proj.weight", (kv, h)), (f"{p}.self_attn.k_proj.bias", (kv,)),
-                (f"{p}.self_attn.v_proj.weight", (kv, h)), (f"{p}.self_attn.v_proj.bias", (kv,)),
-                (f"{p}.self_attn.o_proj.weight", (h, q)),
+        out += [(f"{p}.self_attn.q_proj.weight", (q, h)), (f"{p}.self_attn.k_proj.weight", (kv, h)),
+                (f"{p}.self_attn.v_proj.weight", (kv, h)), (f"{p}.self_attn.o_proj.weight", (h, q)),
                 (f"{p}.mlp.gate_proj.weight", (inter, h)), (f"{p}.mlp.up_proj.weight", (inter, h)),
                 (f"{p}.mlp.down_proj.weight", (h, inter)),
                 (f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
+        if qk_norm:
+            out += [(f"{p}.self_attn.q_norm.weight", (head_dim,)), (f"{p}.self_attn.k_norm.weight", (head_dim,))]
+        else:
+            out += [(f"{p}.self_attn.q_proj.bias", (q,)), (f"{p}.self_attn.k_proj.bias", (kv,)),
+                    (f"{p}.self_attn.v_proj.bias", (kv,))]
     out.append(("model.language_model.norm.weight", (h,)))
     if not text.get("tie_word_embeddings", True):
         out.append(("lm_head.weight", (text["vocab_size"], h)))
+    return out
+
+
+def qwen2_5_vl_tensors(text: dict, vision: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of a Qwen2.5-VL model of this shape, named as transformers saves them."""
+    out = _language_tensors(text, qk_norm=False)
     vh, vi, merged = vision["hidden_size"], vision["intermediate_size"], vision["hidden_size"] * vision["spatial_merge_size"] ** 2
     out.append(("model.visual.patch_embed.proj.weight",
                 (vh, vision["in_channels"], vision["temporal_patch_size"], vision["patch_size"], vision["patch_size"])))
@@ -108,21 +118,7 @@ def qwen3_vl_tensors(text: dict, vision: dict) -> list[tuple[str, tuple[int, ...
     keys; head_dim set apart from hidden / heads); the tower has LayerNorms with biases, a biased patch
     embedding, learnt position embeddings, a two-layer GELU MLP, and one merger per DeepStack tap beside the
     final one, each normalising the 2x2-merged features (width 4 x hidden) rather than the patch features."""
-    h, layers = text["hidden_size"], text["num_hidden_layers"]
-    head_dim = text.get("head_dim") or h // text["num_attention_heads"]
-    q, kv, inter = text["num_attention_heads"] * head_dim, text["num_key_value_heads"] * head_dim, text["intermediate_size"]
-    out = [("model.language_model.embed_tokens.weight", (text["vocab_size"], h))]
-    for i in range(layers):
-        p = f"model.language_model.layers.{i}"
-        out += [(f"{p}.self_attn.q_proj.weight", (q, h)), (f"{p}.self_attn.k_proj.weight", (kv, h)),
-                (f"{p}.self_attn.v_proj.weight", (kv, h)), (f"{p}.self_attn.o_proj.weight", (h, q)),
-                (f"{p}.self_attn.q_norm.weight", (head_dim,)), (f"{p}.self_attn.k_norm.weight", (head_dim,)),
-                (f"{p}.mlp.gate_proj.weight", (inter, h)), (f"{p}.mlp.up_proj.weight", (inter, h)),
-                (f"{p}.mlp.down_proj.weight", (h, inter)),
-                (f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
-    out.append(("model.language_model.norm.weight", (h,)))
-    if not text.get("tie_word_embeddings", True):
-        out.append(("lm_head.weight", (text["vocab_size"], h)))
+    out = _language_tensors(text, qk_norm=True)
     vh, vi, merged = vision["hidden_size"], vision["intermediate_size"], vision["hidden_size"] * vision["spatial_merge_size"] ** 2
     vout = vision["out_hidden_size"]
     out += [("model.visual.patch_embed.proj.weight",
@@ -198,7 +194,7 @@ class Estimate:
     total_gib: float | None  # None when the parameters could not be counted
 
 
-def model_tensors(path: str, builtin_note: str = "") -> tuple[list | None, str]:
+def model_tensors(path: str) -> tuple[list | None, str]:
     """The parameter tensors of model.path, and where their count came from."""
     if path.startswith("builtin:"):
         return None, f"model.path={path} is a built-in model of well under a million parameters: nothing to estimate"
