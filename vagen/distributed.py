@@ -111,11 +111,13 @@ def _shared_file_system(path: str, mounts: str = "/proc/self/mounts") -> str | N
     """The type of the network file system `path` lies on (by the mount table `mounts`), None for a local one."""
     path, best, kind = os.path.realpath(path), "", None
     try:
-        with open(mounts) as mounts:
-            for line in mounts:
+        with open(mounts) as table:
+            for line in table:
                 fields = line.split()
+                if len(fields) < 3:
+                    continue
                 point = fields[1].replace("\\040", " ")
-                if len(fields) > 2 and (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
                     best, kind = point, fields[2]
     except OSError:
         return None
