@@ -63,6 +63,26 @@ def test_greedy_agent_loop_plays_the_per_turn_episodes(text_engine):
     assert decoder.engine_sequences / decoder.engine_steps > 2
 
 
+def test_an_error_in_the_agent_loop_leaves_no_request_in_the_engine(text_engine):
+    model, encoder, decoder = text_engine
+    cfg = load_config(None, ["rollout.max_turns=2", "rollout.max_new_tokens=64", "env.name=sokoban",
+                             "env.render_mode=text"])
+    played = dict(seeds=[1_000_000_000 + k for k in range(8)], group_size=1, do_sample=False, decoder=decoder)
+    running = []
+
+    def fail(*args):
+        running.append(decoder.llm.llm_engine.get_num_unfinished_requests())
+        raise RuntimeError("on_step failed")
+
+    with pytest.raises(RuntimeError, match="on_step failed"):
+        rollout(model, encoder, cfg, on_step=fail, **played)
+    assert running[0] > 0  # the loop stopped with requests still running
+    assert decoder.llm.llm_engine.get_num_unfinished_requests() == 0
+    again, _ = rollout(model, encoder, cfg, **played)
+    turns, _ = rollout(model, encoder, cfg, schedule="turns", **played)
+    assert _played(again) == _played(turns)
+
+
 def test_sampled_agent_loop_replays_from_the_seeds_whatever_finishes_first(vl_engine):
     model, encoder, decoder = vl_engine
     cfg = config("rollout.max_turns=3")

@@ -340,32 +340,39 @@ class VLLMDecoder:
         engine, clock, timing = self.llm.llm_engine, time.perf_counter, game.timing
         running: dict[str, int] = {}  # request id -> episode row
         self.engine_steps = self.engine_sequences = 0
-        while True:
-            game.take_answers(block=not running)  # an idle engine waits for the next observation
-            game.ended.count()
-            for row in game.ready:
-                episode = game.episodes[row]
-                params = self.sampling_params(game.sampling(len(episode.turns)), row)
-                params.output_kind = RequestOutputKind.FINAL_ONLY
-                request_id = f"episode-{row}-turn-{len(episode.turns)}"
-                # What `LLM.generate` does to a prompt before `add_request`: the frames through vLLM's processor.
-                engine.add_request(request_id, self.llm._preprocess_cmpl_one(self.prompt(episode)), params,
-                                   lora_request=self.lora_request)
-                running[request_id] = row
-            game.ready.clear()
-            if not running:
-                if game.finished():
-                    return
-                continue
-            t0 = clock()
-            self.engine_sequences += engine.get_num_unfinished_requests()
-            outputs = engine.step()
-            self.engine_steps += 1
-            timing["timing/generate"] += clock() - t0
-            for output in outputs:
-                if output.finished:
-                    row = running.pop(output.request_id)
-                    game.respond(row, self.completion(row, game.episodes[row], output))
+        try:
+            while True:
+                game.take_answers(block=not running)  # an idle engine waits for the next observation
+                game.ended.count()
+                for row in game.ready:
+                    episode = game.episodes[row]
+                    params = self.sampling_params(game.sampling(len(episode.turns)), row)
+                    params.output_kind = RequestOutputKind.FINAL_ONLY
+                    request_id = f"episode-{row}-turn-{len(episode.turns)}"
+                    # What `LLM.generate` does to a prompt before `add_request`: the frames through vLLM's
+                    # processor.
+                    engine.add_request(request_id, self.llm._preprocess_cmpl_one(self.prompt(episode)), params,
+                                       lora_request=self.lora_request)
+                    running[request_id] = row
+                game.ready.clear()
+                if not running:
+                    if game.finished():
+                        return
+                    continue
+                t0 = clock()
+                self.engine_sequences += engine.get_num_unfinished_requests()
+                outputs = engine.step()
+                self.engine_steps += 1
+                timing["timing/generate"] += clock() - t0
+                for output in outputs:
+                    if output.finished:
+                        row = running.pop(output.request_id)
+                        game.respond(row, self.completion(row, game.episodes[row], output))
+        finally:
+            # Requests of an agent loop stopped by an error would otherwise stay in the engine and be stepped
+            # with the next rollout's (whose loop knows nothing of them).
+            if running:
+                engine.abort_request(list(running))
 
     # -- weights and memory -----------------------------------------------------------------------------
 
