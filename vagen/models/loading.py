@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from vagen.models.adapters import without_wrapper
-from vagen.models.builtin import _quiet_transformers, is_vision_checkpoint
+from vagen.models.builtin import _quiet_transformers
 from vagen.models.families import family_of
 from vagen.models.image_hooks import center_image_tokens, matmul_patch_embedding
 
@@ -25,7 +25,7 @@ def load_policy(path: Path, dtype: str = "float32", min_pixels: int | None = Non
     checkpoint of a model family vagen does not know is refused before anything is read but its config."""
     from vagen.config import attn_implementation_error
 
-    family_of(path)
+    family = family_of(path)
 
     problem = attn_implementation_error(attn_implementation, dtype)
     if problem is None and attn_implementation == "flash_attention_2" and not torch.cuda.is_available():
@@ -36,7 +36,7 @@ def load_policy(path: Path, dtype: str = "float32", min_pixels: int | None = Non
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-    if is_vision_checkpoint(path):
+    if family.vision:
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=DTYPES[dtype],
                                                             attn_implementation=attn_implementation)
         center_image_tokens(model)
