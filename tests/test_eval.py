@@ -184,6 +184,23 @@ def test_the_run_directory_is_found_from_each_checkpoint_form(trained_run, tmp_p
     assert run_dir_of(resolve_checkpoint(str(outside))) is None
 
 
+def test_a_run_whose_config_no_longer_loads_is_evaluated_with_an_explicit_config(tmp_path):
+    from vagen.config import ConfigError
+    from vagen.eval import choose_config
+
+    run = tmp_path / "old-run"
+    step = run / "checkpoints" / "step_1"
+    step.mkdir(parents=True)
+    (run / "config.yaml").write_text("model:\n  warm_start: true\n")  # a key vagen no longer has
+    with pytest.raises(ConfigError, match=r"^the run's config .*old-run/config.yaml does not load: .*model.warm_start"
+                                          r".*; pass the config to evaluate it with \(--config NAME\)$"):
+        choose_config(None, "x", step, [])
+    cfg, source, warning = choose_config("frozenlake_visual", "x", step, [])
+    assert source == "frozenlake_visual" and cfg.env.name == "frozenlake"
+    assert warning.startswith(f"warning: the run's config {run / 'config.yaml'} does not load (")
+    assert warning.endswith("); evaluating with --config's")
+
+
 def test_a_checkpoint_outside_a_run_needs_a_config(tiny_vl, capsys):
     path, _, _ = tiny_vl
     assert main(["--checkpoint", str(path)]) == 2

@@ -309,12 +309,20 @@ def config_differences(cfg, run_cfg) -> list[str]:
 def choose_config(config: str | list[str] | None, checkpoint_arg: str, checkpoint: Path, overrides: list[str]):
     """(config, where it came from, warning or None) for evaluating `checkpoint`: the run's own config.yaml
     when the checkpoint lies in a run directory, `config` when given (a warning names what differs from the
-    run's), a ConfigError when neither exists."""
+    run's, or that the run's no longer loads), a ConfigError when neither exists."""
     from vagen.config import ConfigError, load_config
 
     run = run_dir_of(checkpoint)
-    # model.path names the checkpoint evaluated, so a run whose starting checkpoint has moved still loads
-    run_cfg = load_config(str(run / "config.yaml"), [f"model.path={checkpoint}", *overrides]) if run else None
+    run_cfg, warning = None, None
+    if run:
+        try:
+            # model.path names the checkpoint evaluated, so a run whose starting checkpoint has moved still loads
+            run_cfg = load_config(str(run / "config.yaml"), [f"model.path={checkpoint}", *overrides])
+        except ConfigError as err:  # e.g. a key a later vagen removed: --config can still evaluate the run
+            if config is None:
+                raise ConfigError(f"the run's config {run / 'config.yaml'} does not load: {err}; pass the config "
+                                  f"to evaluate it with (--config NAME)") from None
+            warning = f"warning: the run's config {run / 'config.yaml'} does not load ({err}); evaluating with --config's"
     if config is None:
         if run_cfg is None:
             raise ConfigError(f"--checkpoint {checkpoint_arg!r} is not inside a run directory (none of {checkpoint} "
@@ -324,7 +332,6 @@ def choose_config(config: str | list[str] | None, checkpoint_arg: str, checkpoin
         return run_cfg, str(run / "config.yaml"), None
     cfg = load_config(config, overrides)
     config = ",".join(config) if isinstance(config, list) else config
-    warning = None
     if run_cfg is not None:
         differences = config_differences(cfg, run_cfg)
         if differences:
