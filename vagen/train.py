@@ -98,6 +98,8 @@ def main(argv=None) -> int:
 
     progress.close()
     close_envs(envs)
+    if hasattr(decoder, "close"):  # a vLLM engine: its workers, and the folder of the adapter it last loaded
+        decoder.close()
     run.finish()
     return return_code
 
