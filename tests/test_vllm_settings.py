@@ -83,7 +83,7 @@ def gpu_decoder(monkeypatch, free: int, footprint: int):
     monkeypatch.setattr(dv, "total_gpu_bytes", lambda: 80 * GIB)
     decoder = object.__new__(dv.VLLMDecoder)
     decoder.settings = {**dv.DEFAULT_SETTINGS}
-    decoder.on_gpu, decoder.asleep, decoder.in_process, decoder.released_bytes = True, False, True, 0
+    decoder.on_gpu, decoder.sleeping, decoder.in_process, decoder.released_bytes = True, set(), True, 0
     decoder.lora_rank, decoder.lora_request, decoder.adapter_dir, decoder.adapters_loaded = 0, None, None, 0
     decoder.llm = FakeEngine(gpu, footprint)
     return decoder, gpu, torch.nn.Linear(2, 2)
@@ -117,3 +117,22 @@ def test_on_the_cpu_sleeping_does_nothing(monkeypatch):
     decoder.sleep()
     decoder.sync_weights(model)
     assert decoder.llm.calls == [("reload_weights",), ("reset_prefix_cache",)]
+
+
+def test_a_sync_that_fails_after_waking_the_weights_takes_back_only_the_rest_next_time(monkeypatch):
+    decoder, gpu, model = gpu_decoder(monkeypatch, free=10 * GIB, footprint=40 * GIB)
+    decoder.sleep()
+    reload = decoder.llm.collective_rpc
+
+    def failing_once(*args, **kwargs):
+        decoder.llm.collective_rpc = reload
+        raise RuntimeError("a group failed to load")
+
+    decoder.llm.collective_rpc = failing_once
+    with pytest.raises(RuntimeError, match="a group failed to load"):
+        decoder.sync_weights(model)
+    assert decoder.asleep and decoder.sleeping == {"kv_cache"}
+    decoder.sync_weights(model)
+    assert decoder.llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload_weights",),
+                                 ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    assert not decoder.asleep

@@ -227,7 +227,7 @@ class VLLMDecoder:
             raise RuntimeError(f"building the vLLM engine moved this process from GPU {device} to GPU "
                                f"{torch.cuda.current_device()}: the engine was placed on another rank's GPU")
         self.guarded_shutdown = _guard_shutdown(self.llm, trainer_group)
-        self.asleep = False
+        self.sleeping: set[str] = set()  # what the engine dropped in `sleep()` and has not taken back yet
         self.released_bytes = 0  # GPU memory the engine gave up in its last `sleep()`
         self.in_process = tensor_parallel == 1
 
@@ -384,9 +384,6 @@ class VLLMDecoder:
         into one matrix), and processes a layer once all its tensors have arrived. Returns the seconds
         it took."""
         start = time.perf_counter()
-        kv_asleep = self.asleep
-        if self.asleep:  # the weights' memory back first; the KV cache only once the new weights are in
-            self._wake(["weights"])
         module = unwrap(model)
         adapted = lora_layers(module)
         # Served adapters (an engine built with `lora_rank`): the base weights go unmerged, the adapters into
@@ -396,6 +393,7 @@ class VLLMDecoder:
         if adapters is not None and rank > self.lora_rank:
             raise ValueError(f"the policy's LoRA rank {rank} exceeds the rank {self.lora_rank} the vLLM engine was "
                              f"built for; build it with VLLMDecoder(..., lora_rank={rank}) or VLLMDecoder.from_config")
+        self._wake(["weights"])  # the weights' memory back first; the KV cache only once the new weights are in
         groups = list(weight_groups(without_wrapper(module), float(self.settings["sync_group_mb"]) * 2**20))
         if self.in_process:
             # One reload over a generator: the engine pulls each group while it is gathered.
@@ -413,8 +411,7 @@ class VLLMDecoder:
         if adapters is not None or self.lora_request is not None:  # a policy without adapters drops the last
             self._serve_adapters(adapters, module)
         self.llm.apply_model(_repack_tied_heads)
-        if kv_asleep:
-            self._wake(["kv_cache"])
+        self._wake(["kv_cache"])
         self.llm.reset_prefix_cache()  # keys and values of the old weights
         self.llm.llm_engine.reset_encoder_cache()  # image embeddings of the old weights
         return time.perf_counter() - start
@@ -445,18 +442,27 @@ class VLLMDecoder:
         """Release the engine's GPU memory while the update runs: the KV cache and the weights dropped (sleep
         level 2: nothing is copied to the host, `sync_weights` loads the updated weights anyway; vLLM keeps
         the model's buffers). Records how much was released, which waking needs back."""
-        if self.on_gpu and self.settings["sleep_mode"] and not self.asleep:
+        if self.on_gpu and self.settings["sleep_mode"] and not self.sleeping:
             free = free_gpu_bytes()
             self.llm.sleep(level=2)
             self.released_bytes = max(0, free_gpu_bytes() - free)
-            self.asleep = True
+            self.sleeping = {"weights", "kv_cache"}
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self.sleeping)
 
     def _wake(self, tags: list[str]) -> None:
-        if "weights" in tags:  # checked once, for all the engine needs back, before any of it is taken
+        """Take back what `sleep()` dropped among `tags` (nothing when awake); the memory is checked once, for
+        all the engine needs back, before any of it is taken."""
+        tags = [tag for tag in tags if tag in self.sleeping]
+        if not tags:
+            return
+        if "weights" in tags:
             check_wake_memory(self.released_bytes, free_gpu_bytes(), total_gpu_bytes(),
                               float(self.settings["gpu_memory_utilization"]))
         self.llm.wake_up(tags=tags)
-        self.asleep = "kv_cache" not in tags
+        self.sleeping -= set(tags)
 
     def close(self) -> None:
         """Shut the engine down (its worker processes too, with tensor parallelism); the trainer's process
