@@ -10,11 +10,11 @@ import pytest
 import torch
 from hf_generate import GenerateDecoder
 from PIL import Image
-from test_trajectory import assert_equal_gradients
+from test_trajectory import append_turn, assert_equal_gradients
 
 import vagen.train
 from vagen.config import load_config
-from vagen.episode import ChatEncoder, Episode, Turn
+from vagen.episode import ChatEncoder, Episode
 from vagen.models import (
     FAMILIES,
     family_of,
@@ -82,15 +82,7 @@ def _episode(encoder, responses, seed):
     """A 3-turn episode with a frame each turn, built the way the rollout builds it."""
     episode = Episode("sokoban", seed=seed, group_id=0, system_prompt="Push the box onto the target.")
     for turn, response in enumerate(responses):
-        ids, pixel_values, grids = encoder.user_segment("Observation:\n<image>", [_frame(seed + turn)],
-                                                        first=turn == 0, system=episode.system_prompt)
-        episode.input_ids += ids
-        episode.pixel_values += pixel_values
-        episode.image_grid_thw += grids
-        generated, text = encoder.finish_response(encoder.encode_text(response))
-        start = len(episode.input_ids)
-        episode.input_ids += generated
-        episode.turns.append(Turn("", [], text, 0.0, {}, (start, len(episode.input_ids)), len(generated)))
+        append_turn(encoder, episode, _frame(seed + turn), response)
     return episode
 
 

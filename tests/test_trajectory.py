@@ -19,18 +19,24 @@ def _two_turn_episode(encoder):
     responses = ["<think>box left</think><answer>Left</answer>", "<think>done</think><answer>Up, Up</answer>"]
     rewards = [0.4, 10.5]
     frames = [_frame(0), _frame(1)]
-    for turn, (response, reward, frame) in enumerate(zip(responses, rewards, frames)):
-        ids, pixel_values, grids = encoder.user_segment("Observation:\n<image>", [frame], first=turn == 0,
-                                                        system=episode.system_prompt)
-        episode.input_ids += ids
-        episode.pixel_values += pixel_values
-        episode.image_grid_thw += grids
-        generated, text = encoder.finish_response(encoder.encode_text(response))
-        start = len(episode.input_ids)
-        episode.input_ids += generated
-        episode.turns.append(Turn("Observation:\n<image>", [frame], text, reward, {}, (start, len(episode.input_ids)),
-                                  len(generated)))
+    for response, reward, frame in zip(responses, rewards, frames):
+        append_turn(encoder, episode, frame, response, reward)
     return episode, responses, rewards, frames
+
+
+def append_turn(encoder, episode, frame, response: str, reward: float = 0.0) -> None:
+    """One turn appended to `episode` the way the rollout builds it: an observation with `frame`, then the
+    response's ids with the end of the turn."""
+    ids, pixel_values, grids = encoder.user_segment("Observation:\n<image>", [frame], first=not episode.turns,
+                                                    system=episode.system_prompt)
+    episode.input_ids += ids
+    episode.pixel_values += pixel_values
+    episode.image_grid_thw += grids
+    generated, text = encoder.finish_response(encoder.encode_text(response))
+    start = len(episode.input_ids)
+    episode.input_ids += generated
+    episode.turns.append(Turn("Observation:\n<image>", [frame], text, reward, {}, (start, len(episode.input_ids)),
+                              len(generated)))
 
 
 def test_sequence_equals_the_chat_template_over_all_turns_with_expanded_images(tiny_vl):
