@@ -71,6 +71,35 @@ def test_periodic_evaluation_logs_eval_metrics_and_writes_videos(tmp_path, model
     assert len(list((run / "eval" / "step_2" / "videos").glob("frozenlake_seed1000000000_*.mp4"))) == 1
 
 
+def test_evaluation_before_training_is_the_starting_checkpoints(tmp_path, model_cache, distributed):
+    """eval.before_training: eval/step_0 and the metrics record of iteration -1 hold the shipped warm start's own
+    greedy evaluation (what python -m vagen.eval gives it), before the first update; a resumed run skips it."""
+    budget = ["rollout.max_new_tokens=64", "rollout.max_turns=3"]
+    run, overrides = _run("frozenlake_visual", tmp_path, model_cache, *budget, "eval.before_training=true",
+                          "eval.every=2", "eval.episodes=4", "eval.videos=0", "train.run_name=first",
+                          "train.save_every=1")
+    records = _metrics(run)
+    assert [r["iteration"] for r in records] == [-1, 0, 1]
+    assert records[0]["eval/episodes"] == 4 and "rollout/success" not in records[0]
+    assert "eval/success" not in records[1] and records[2]["eval/episodes"] == 4
+    step_0 = json.loads((run / "eval" / "step_0" / "results.json").read_text())
+    assert step_0["model"]["success"] == records[0]["eval/success"]
+    from vagen.eval import main as evaluate_main
+
+    out = tmp_path / "warm_start_eval"
+    assert evaluate_main(["--config", "frozenlake_visual", "--checkpoint", "assets:frozenlake_visual", "--episodes",
+                          "4", "--videos", "0", "--out", str(out), f"model.builtin_cache={model_cache}",
+                          "log.progress=false", *budget]) == 0
+    alone = json.loads((out / "results.json").read_text())
+    assert step_0["episodes"] == alone["episodes"] and step_0["seeds"] == alone["seeds"]
+    # resumed at iteration 2, the run does not evaluate its starting checkpoint again
+    (run / "eval" / "step_0" / "results.json").unlink()
+    _run("frozenlake_visual", tmp_path, model_cache, *budget, "eval.before_training=true", "eval.every=0",
+         "train.run_name=first", "train.iterations=3", "train.resume=auto")
+    assert [r["iteration"] for r in _metrics(run)] == [-1, 0, 1, 2]
+    assert not (run / "eval" / "step_0" / "results.json").exists()
+
+
 def _deterministic(record):
     return {k: v for k, v in record.items() if not k.startswith("timing/") and k != "time"}
 

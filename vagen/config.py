@@ -287,6 +287,8 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    before_training: bool = _f(False, "evaluate the starting checkpoint before the first iteration (eval/step_0, the "
+                                      "metrics record of iteration -1); a resumed run does not repeat it")
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)

@@ -142,10 +142,12 @@ class RunDir:
 
     # -- evaluation and checkpoints -----------------------------------------------------------------
     def maybe_evaluate(self, it: int, cfg: Config, model, encoder, decoder=None) -> dict[str, float]:
-        """Every `eval.every` iterations: held-out episodes (greedy unless eval.do_sample), a few
-        videos under eval/step_N/videos; returns `eval/*` metrics for this iteration's record."""
+        """Every `eval.every` iterations, and at it = -1 (step 0: the starting checkpoint, before any update)
+        with `eval.before_training`: held-out episodes (greedy unless eval.do_sample), a few videos under
+        eval/step_N/videos; returns `eval/*` metrics for this iteration's record."""
         every = cfg.eval.every
-        if every <= 0 or (it + 1) % every != 0:
+        due = cfg.eval.before_training if it < 0 else every > 0 and (it + 1) % every == 0
+        if not due:
             return {}
         from vagen.eval import evaluate
 
