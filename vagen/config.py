@@ -267,6 +267,8 @@ class SFTConfig:
 @dataclass
 class EvalConfig:
     every: int = _f(0, "evaluate every N iterations; 0 = never during training")
+    before_training: bool = _f(False, "evaluate the starting checkpoint before the first iteration (eval/step_0, the "
+                                      "metrics record of iteration -1); a resumed run does not repeat it")
     episodes: int = _f(16, "evaluation episodes (held-out seeds)")
     videos: int = _f(2, "episode videos written per evaluation")
     do_sample: bool = _f(False, "sample during evaluation (false = greedy)")
@@ -287,8 +289,6 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
-    before_training: bool = _f(False, "evaluate the starting checkpoint before the first iteration (eval/step_0, the "
-                                      "metrics record of iteration -1); a resumed run does not repeat it")
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)

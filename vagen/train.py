@@ -65,12 +65,12 @@ def main(argv=None) -> int:
     envs = make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size)
     progress = Progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
     bad_steps_in_a_row, return_code, batch = 0, 0, None
-
-    for it in range(start, cfg.train.iterations):
     if start == 0:  # eval.before_training: the starting checkpoint (a resumed run has evaluated it already)
         stats = run.maybe_evaluate(-1, cfg, models.actor.module, models.encoder, decoder)
         if stats and is_main_process:
             run.log(-1, stats, [])
+
+    for it in range(start, cfg.train.iterations):
         t_iter = time.perf_counter()
         # Seeded per iteration and rank: a run is reproducible, and a resumed run samples exactly as an
         # uninterrupted one would.
