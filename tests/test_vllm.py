@@ -276,6 +276,34 @@ def test_from_config_builds_the_run_engine_with_the_actor_weights(text_policy):
     assert total.item() == torch.distributed.get_world_size()
 
 
+def test_an_engine_builds_where_triton_works_and_runs_the_v1_model_runner(text_policy, monkeypatch, capsys):
+    """vLLM 0.32 chooses Model Runner V2 wherever Triton works (a CUDA machine reports HAS_TRITON = True), and
+    V2 refuses the V1 logits processor that masks `suppress_ids` inside `LLM(...)`. The engine pins V1, says
+    which runner it started, and decodes as the engine built where Triton is absent."""
+    import vllm.config.vllm
+
+    from vagen.decoding import Sampling
+    from vagen.episode import Episode
+
+    model, encoder, decoder = text_policy
+    monkeypatch.setattr(vllm.config.vllm, "HAS_TRITON", True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    capsys.readouterr()
+    triton = VLLMDecoder(checkpoints_dir() / "sokoban_text", encoder, dtype="float32", seed=0)
+    try:
+        assert triton.model_runner == decoder.model_runner and triton.model_runner.startswith("vllm.v1.worker."), \
+            triton.model_runner
+        assert ".worker.gpu." not in triton.model_runner, f"Model Runner V2 ran: {triton.model_runner}"
+        log = capsys.readouterr().err
+        assert f"model runner V1 ({triton.model_runner})" in log, log[-2000:]
+        prompt = encoder.tokenizer("<|im_start|>user\nPush the box.<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+        episode = Episode(env_name="sokoban", seed=0, group_id=0, system_prompt="", input_ids=prompt)
+        greedy = Sampling(do_sample=False, temperature=1.0, max_new_tokens=16)
+        assert triton.generate([episode], [0], greedy)[0].ids == decoder.generate([episode], [0], greedy)[0].ids
+    finally:
+        triton.close()
+
+
 def test_models_with_image_hooks_are_refused_before_any_work(model_cache):
     script = f"""
 import sys

@@ -136,3 +136,18 @@ def test_a_sync_that_fails_after_waking_the_weights_takes_back_only_the_rest_nex
     assert decoder.llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload_weights",),
                                  ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
     assert not decoder.asleep
+
+
+def test_the_v1_model_runner_is_pinned_and_an_environment_asking_for_v2_is_refused(monkeypatch):
+    from vagen import vllm_compat
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    vllm_compat.pin_model_runner()
+    assert dv.os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    for value in ("1", "true"):
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+        with pytest.raises(ValueError, match=f"VLLM_USE_V2_MODEL_RUNNER={value} is set.*Unset VLLM_USE_V2_MODEL_RUNNER"):
+            vllm_compat.pin_model_runner()
+    assert vllm_compat.runner_version("vllm.v1.worker.gpu.model_runner.GPUModelRunner") == "V2"
+    assert vllm_compat.runner_version("vllm.v1.worker.gpu_model_runner.GPUModelRunner") == "V1"
+    assert vllm_compat.runner_version("vllm.v1.worker.cpu_model_runner.CPUModelRunner") == "V1"

