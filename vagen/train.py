@@ -182,18 +182,24 @@ def build_models(cfg, dist, run, is_main_process: bool) -> Models:
 def partitioned_build(cfg, dist):
     """Inside, under ZeRO-3, `from_pretrained` builds models partitioned over the ranks from the start
     (transformers runs it under `deepspeed.zero.Init` while an `HfDeepSpeedConfig` lives): no rank ever
-    holds a whole model on the host, which at 3B in float32 was 30-45 GB per rank. Yields whether it does."""
+    holds a whole model on the host, which at 3B in float32 was 30-45 GB per rank. Yields whether it does.
+    `torch.nn.functional.linear` is restored on the way out: `deepspeed.zero.Init` replaces it with
+    DeepSpeed's own autograd function and leaves it replaced for the whole process, where the vLLM engine's
+    linear layers (which look `F.linear` up at every call, CUDA-graph capture included) would run it too."""
     ds = deepspeed_config(cfg, cfg.train.actor_lr, dist.world_size, dist.device.type == "cuda")
     if ds.get("zero_optimization", {}).get("stage", 0) != 3:
         yield False
         return
+    import torch
     from transformers.integrations import HfDeepSpeedConfig
 
+    linear = torch.nn.functional.linear
     marker = HfDeepSpeedConfig(ds)  # held by a weak reference in transformers: alive inside only
     try:
         yield True
     finally:
         del marker
+        torch.nn.functional.linear = linear
 
 
 def build_critic(cfg, policy_path):
