@@ -221,6 +221,7 @@ def init_distributed(need_group: bool = True) -> Dist:
     device = rank_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        render_on_rank_device(device)  # before any environment (or env worker process) opens a GL context
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         # Two processes on two cores with default threading measured 4.6x slower than one thread each.
@@ -233,6 +234,45 @@ def init_distributed(need_group: bool = True) -> Dist:
         if device.type == "cpu":
             _unlink_shm_workspace(rank)
     return Dist(rank, world, local_rank, device)
+
+
+def mujoco_egl_device(cuda_index: int | None, egl_devices: int, environ) -> str | None:
+    """The `MUJOCO_EGL_DEVICE_ID` for a rank on CUDA device `cuda_index` (None: a CPU rank) where MuJoCo sees
+    `egl_devices` EGL devices: the rank's own GPU (within MuJoCo's count), so that its renderers, and those of
+    its env workers, sit beside its engine instead of every rank's on GPU 0. None (leave it as it is) where
+    MuJoCo does not render through EGL (`MUJOCO_GL`, egl by default in `envs_visual`), where it is set already,
+    on a CPU (MuJoCo raises for an id its devices do not have) and where MuJoCo sees no EGL device."""
+    if environ.get("MUJOCO_GL", "egl").lower() != "egl" or "MUJOCO_EGL_DEVICE_ID" in environ:
+        return None
+    if cuda_index is None or egl_devices <= 0:
+        return None
+    return str(cuda_index % egl_devices)
+
+
+def egl_device_count() -> int:
+    """EGL devices MuJoCo can render on, counted in a process of its own (importing mujoco here would fix its
+    GL backend before `envs_visual` chooses it); 0 where EGL is missing."""
+    import subprocess
+    import sys
+
+    script = ("import os; os.environ['MUJOCO_GL'] = 'egl'; from mujoco.egl import egl_ext as EGL; "
+              "print(len(EGL.eglQueryDevicesEXT()))")
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return 0
+
+
+def render_on_rank_device(device: torch.device, environ=os.environ, count=egl_device_count) -> str | None:
+    """Set `MUJOCO_EGL_DEVICE_ID` in `environ` (inherited by env worker processes) for a rank on `device`
+    (`mujoco_egl_device`); EGL devices are counted only where it can apply. Returns what was set."""
+    if device.type != "cuda" or mujoco_egl_device(0, 1, environ) is None:
+        return None
+    value = mujoco_egl_device(device.index, count(), environ)
+    if value is not None:
+        environ["MUJOCO_EGL_DEVICE_ID"] = value
+    return value
 
 
 def leave_process_group(code: int) -> int:
