@@ -38,7 +38,7 @@ def main(argv=None) -> int:
         return 2
     from vagen.distributed import init_distributed
 
-    dist = init_distributed()
+    dist = init_distributed(timeout_minutes=cfg.train.dist_timeout_minutes)
     if refused(lambda: check_ranks(cfg, dist.world_size)):
         return 2
     import torch
@@ -171,8 +171,9 @@ def build_models(cfg, dist, run, is_main_process: bool) -> Models:
         reference.eval().requires_grad_(False)
         # a partitioned model runs only inside an engine, which gathers each layer's parameters for its call
         reference = make_engine(reference, cfg, 0.0, dist, frozen=True) if partitioned else reference.to(dist.device)
-    actor_engine = make_engine(actor, cfg, cfg.train.actor_lr, dist)
-    critic_engine = make_engine(critic, cfg, cfg.train.critic_lr, dist) if critic is not None else None
+    actor_engine = make_engine(actor, cfg, cfg.train.actor_lr, dist, universal=run.universal)
+    critic_engine = (make_engine(critic, cfg, cfg.train.critic_lr, dist, universal=run.universal)
+                     if critic is not None else None)
     if lora and cfg.algo.kl_coef > 0:
         reference = AdaptersOff(actor_engine)
     return Models(actor_engine, critic_engine, reference, processor, encoder)
@@ -391,9 +392,10 @@ def deepspeed_config(cfg, lr: float, world_size: int, on_gpu: bool) -> dict:
     return ds
 
 
-def make_engine(module, cfg, lr: float, dist, frozen: bool = False):
+def make_engine(module, cfg, lr: float, dist, frozen: bool = False, universal: bool = False):
     """A DeepSpeed engine of `module` with `train.deepspeed_config`; `frozen`: no optimizer or schedule
-    (a reference model that only runs forward)."""
+    (a reference model that only runs forward); `universal`: it loads its states from a universal checkpoint
+    (vagen.run.to_universal: saved on another rank count)."""
     import deepspeed
 
     config = deepspeed_config(cfg, lr, dist.world_size, dist.device.type == "cuda")
@@ -417,3 +419,5 @@ if __name__ == "__main__":
     from vagen.distributed import leave_process_group
 
     raise SystemExit(leave_process_group(main()))
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
