@@ -23,7 +23,9 @@ from vagen.memory import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPES = sorted(p.stem for p in (CONFIGS_DIR / "recipes").glob("*.yaml"))
+# Model recipes name their checkpoint's family at the top; presets (vagen-full) go after one of them.
+RECIPES = sorted(p.stem for p in (CONFIGS_DIR / "recipes").glob("*.yaml") if "\nfamily: " in p.read_text())
+PRESETS = sorted(p.stem for p in (CONFIGS_DIR / "recipes").glob("*.yaml") if p.stem not in RECIPES)
 
 
 def _stated_gpus(name: str) -> int:
@@ -35,6 +37,7 @@ def _stated_gpus(name: str) -> int:
 def test_the_recipes_are_the_qwen2_5_vl_and_qwen3_vl_ones():
     assert RECIPES == ["qwen2.5-vl-3b", "qwen2.5-vl-3b-lora", "qwen2.5-vl-7b", "qwen2.5-vl-7b-lora",
                        "qwen3-vl-4b", "qwen3-vl-4b-lora", "qwen3-vl-8b", "qwen3-vl-8b-lora"]
+    assert PRESETS == ["vagen-full"]
 
 
 def test_a_recipe_composes_over_an_environment_config():
@@ -69,7 +72,8 @@ def test_each_recipe_is_sized_for_gpus_and_passes_their_checks(name):
     for line in text.splitlines():  # every value says where it comes from
         if line.strip() and not line.lstrip().startswith("#") and not line.rstrip().endswith(":"):
             assert "#" in line, f"{name}: no comment on {line!r}"
-    assert "GB (H100)" in text and "Sources: VAGEN" in text
+    assert "GB (H100)" in text and "algo.filter_mode=std" in text  # what the reward-std filter needs, stated
+    assert re.search(r'Sources \("VAGEN"\): mll-lab-nu/VAGEN@[0-9a-f]{40} ', text), f"{name}: no VAGEN commit"
     cfg, lines = check_config(["sokoban_visual", f"recipes/{name}"], [], _stated_gpus(name))
     assert cfg.model.dtype == "bfloat16" and "bf16" in cfg.train.deepspeed_config
     assert cfg.rollout.backend == "vllm" and cfg.model.gradient_checkpointing
@@ -228,7 +232,8 @@ def test_memory_estimate_of_lora_counts_adapters_and_the_frozen_base(tmp_path):
 
 TINY = ["model.path=assets:sokoban_visual", "rollout.backend=hf", "train.iterations=2", "rollout.env_groups=2",
         "rollout.group_size=2", "rollout.max_new_tokens=12", "rollout.max_turns=2", "train.mini_batch_size=4",
-        "train.micro_batch_size=2", "train.save_every=1", "train.keep_checkpoints=1", "log.progress=false"]
+        "train.micro_batch_size=2", "train.save_every=1", "train.keep_checkpoints=1", "log.progress=false",
+        "eval.episodes=2", "eval.videos=0"]
 
 
 def _train_recipe(name, out, model_cache, extra=()):
@@ -238,7 +243,8 @@ def _train_recipe(name, out, model_cache, extra=()):
     assert main(["--config", "sokoban_visual", "--config", f"recipes/{name}", *overrides]) == 0
     (run,) = [p for p in out.iterdir() if p.is_dir()]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in records] == [0, 1]
+    # the recipes evaluate the starting checkpoint first (eval.before_training), as the record of iteration -1
+    assert [r["iteration"] for r in records] == [-1, 0, 1] and records[0]["eval/episodes"] == 2
     # the saved config reproduces the run, composition included
     saved = load_config(str(run / "config.yaml"))
     assert saved == load_config(["sokoban_visual", f"recipes/{name}"], overrides)

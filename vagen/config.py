@@ -230,9 +230,6 @@ class SFTConfig:
     batch_size: int = _f(16, "episodes per optimizer step")
     micro_batch_size: int = _f(16, "episodes per forward/backward")
     length_window: int = _f(4, "batches drawn at once and regrouped by episode length, so that rows of a batch "
-    dist_timeout_minutes: int = _f(30, "how long a rank waits in a collective for the others (process-group "
-                                       "timeout): the longest any rank works alone, e.g. rank 0 writing a "
-                                       "checkpoint or converting one at resume")
                                "pad less (FrozenLake: 25% padding -> 7%); 1 = plain random batches")
     lr: float = _f(1e-3, "learning rate (peak, after warm-up)")
     lr_schedule: str = _f("constant", "after warm-up: constant | cosine (down to 0 at sft.max_steps)")
@@ -553,9 +550,6 @@ def _check_vllm(cfg: Config) -> None:
     v, ro = cfg.vllm, cfg.rollout
     if v.tensor_parallel_size < 1 or v.max_model_len < 1 or not 0.0 < v.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"vllm.tensor_parallel_size={v.tensor_parallel_size} and vllm.max_model_len="
-    if tr.dist_timeout_minutes < 1:
-        raise ConfigError(f"train.dist_timeout_minutes={tr.dist_timeout_minutes} must be >= 1 (minutes a rank waits "
-                          f"for the others in a collective); 30 is usual, more where checkpoints are large")
                           f"{v.max_model_len} must be >= 1, and vllm.gpu_memory_utilization="
                           f"{v.gpu_memory_utilization} in (0, 1]")
     if ro.backend == "vllm" and v.max_model_len < ro.max_trajectory_length:
@@ -947,6 +941,58 @@ def config_names(names: str | list[str] | None) -> list[str]:
     return out
 
 
+# A recipe (configs/recipes/) names its model family at the top (`family: qwen3_vl`): vagen.models' family
+# names, checked against them by tests/test_recipes.py (this module does not import torch).
+MODEL_FAMILIES = ("qwen2_vl", "qwen3_vl", "qwen3_5", "qwen_text")
+# What an environment config's real_model section must set: a real checkpoint's budgets in that environment.
+REAL_MODEL_KEYS = ("rollout.max_turns", "rollout.max_new_tokens", "rollout.max_trajectory_length")
+
+
+def _recipe_family(family, path: Path) -> str | None:
+    if family is None or family in MODEL_FAMILIES:
+        return family
+    raise ConfigError(f"family: {family!r} in {path} is not a model family{_closest(str(family), MODEL_FAMILIES)} "
+                      f"choices: {', '.join(MODEL_FAMILIES)} (a recipe names the family of the checkpoint it trains)")
+
+
+def _real_model_section(section, path: Path) -> dict:
+    """An environment config's `real_model` section, checked: config sections with the keys REAL_MODEL_KEYS
+    at least, and per model family (MODEL_FAMILIES) sections applied over them for a recipe of that family."""
+    if not isinstance(section, dict):
+        raise ConfigError(f"real_model in {path} must be a mapping of config sections, received {section!r}")
+    common = {k: v for k, v in section.items() if k not in MODEL_FAMILIES}
+    keys = [key for key, _ in _flatten(common, f"{path} (real_model)")]
+    missing = [key for key in REAL_MODEL_KEYS if key not in keys]
+    if missing:
+        raise ConfigError(f"real_model in {path} does not set {', '.join(missing)}: it holds a real checkpoint's "
+                          f"turns and lengths in this environment ({', '.join(REAL_MODEL_KEYS)}), which a recipe "
+                          f"applied after it takes; add them")
+    for family in MODEL_FAMILIES:
+        if family in section:
+            if not isinstance(section[family], dict):
+                raise ConfigError(f"real_model.{family} in {path} must be a mapping of config sections, received "
+                                  f"{section[family]!r}")
+            _flatten(section[family], f"{path} (real_model.{family})")
+    return section
+
+
+def _apply_real_model(raw: dict, family: str, recipe: Path, profile, before: list[str]) -> None:
+    """After a recipe: the real_model section of the environment config before it (its `family` part last),
+    so that the environment keeps its own turns and lengths at a real checkpoint's scale."""
+    if profile is None:
+        if before:  # a recipe alone, or first, composes over the defaults
+            raise ConfigError(f"recipe {recipe} takes a real checkpoint's turns and lengths from the environment "
+                              f"config before it, but {' + '.join(before)} has no real_model section; add one "
+                              f"({', '.join(REAL_MODEL_KEYS)}, as configs/sokoban_visual.yaml does) to that "
+                              f"config or a copy of it")
+        return
+    path, section = profile
+    common = {k: v for k, v in section.items() if k not in MODEL_FAMILIES}
+    for key, value in _flatten(common, f"{path} (real_model)") + _flatten(section.get(family, {}),
+                                                                       f"{path} (real_model.{family})"):
+        _apply(raw, key, value, f"{path} (real_model)")
+
+
 def load_configs(names: str | list[str] | None = None, overrides: list[str] | None = None,
                  require_checkpoint: bool = True) -> Config:
     """Defaults, then each config of `names` in order (`configs/<name>.yaml`, a path, or a comma list of
@@ -954,12 +1000,18 @@ def load_configs(names: str | list[str] | None = None, overrides: list[str] | No
 
         load_configs(["sokoban_visual", "recipes/qwen2.5-vl-3b"], ["train.iterations=50"])
 
+    A recipe (a file with a top-level `family`) holds the model, the optimizer and the scale; right after
+    it come the real_model section of the environment config before it (a real checkpoint's turns, tokens
+    per turn and trajectory length there) and that section's part for the recipe's family (image geometry),
+    so that every environment keeps its own budgets whatever recipe follows it.
+
     The config's name joins the files' names with `+` (sokoban_visual+qwen2.5-vl-3b); a run's saved
     config.yaml holds every key and that name, so loading it alone reproduces the run. With
     `require_checkpoint=False` a model.path that is a directory not on this machine is accepted (the
     checks of `python -m vagen.config --ranks N` run where the checkpoint is not)."""
     raw: dict = {}
     parts = []
+    profile = None  # (path, real_model section) of the last config before the current one that has one
     for entry in config_names(names):
         path = resolve_config_path(entry)
         data = yaml.safe_load(path.read_text()) or {}
@@ -967,8 +1019,13 @@ def load_configs(names: str | list[str] | None = None, overrides: list[str] | No
             raise ConfigError(f"{path} must hold a mapping of sections, received {type(data).__name__}")
         # a run's saved config.yaml keeps the name of the config(s) it came from
         parts.append(data.pop("name") if isinstance(data.get("name"), str) else path.stem)
+        family = _recipe_family(data.pop("family", None), path)
+        if "real_model" in data:
+            profile = (path, _real_model_section(data.pop("real_model"), path))
         for key, value in _flatten(data, str(path)):
             _apply(raw, key, value, str(path))
+        if family is not None:
+            _apply_real_model(raw, family, path, profile, before=parts[:-1])
     for text in overrides or []:
         key, value = parse_override(text)
         _apply(raw, key, value, "command-line override")
