@@ -265,6 +265,9 @@ def test_from_config_builds_the_run_engine_with_the_actor_weights(text_policy):
     try:
         expected = {key: getattr(getattr(cfg, "vllm", None), key, default) for key, default in DEFAULT_SETTINGS.items()}
         assert decoder.settings == expected
+        # sized for the rank's 4 x 4 episodes, not vLLM's serving defaults (256 sequences on the CPU)
+        scheduler = decoder.llm.llm_engine.vllm_config.scheduler_config
+        assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (16, cfg.vllm.max_model_len)
         played = dict(seeds=[3, 4], group_size=2, sample_seed=8)
         episodes, _ = rollout(updated, encoder, cfg, decoder=decoder, **played)
         assert max(sampled_gaps(updated.eval(), encoder, episodes, cfg.rollout.temperature)) < TOLERANCE

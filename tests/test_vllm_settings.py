@@ -151,3 +151,35 @@ def test_the_v1_model_runner_is_pinned_and_an_environment_asking_for_v2_is_refus
     assert vllm_compat.runner_version("vllm.v1.worker.gpu.model_runner.GPUModelRunner") == "V2"
     assert vllm_compat.runner_version("vllm.v1.worker.gpu_model_runner.GPUModelRunner") == "V1"
     assert vllm_compat.runner_version("vllm.v1.worker.cpu_model_runner.CPUModelRunner") == "V1"
+
+
+def test_engine_sizes_follow_the_ranks_episodes_not_vllms_serving_defaults():
+    # 16 groups x 8 rollouts over 8 ranks: 16 episodes a rank of at most 4,096 tokens
+    assert dv.engine_sizes(16, 4096, 8192, on_gpu=True) == {
+        "max_num_seqs": 16, "max_num_batched_tokens": 8192, "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
+    # few short episodes: every trajectory in one step, and no graph larger than the batch rounded up to 8
+    assert dv.engine_sizes(3, 1000, 8192, on_gpu=True) == {
+        "max_num_seqs": 3, "max_num_batched_tokens": 3000, "cudagraph_capture_sizes": [1, 2, 3]}
+    assert dv.engine_sizes(20, 100, 8192, on_gpu=True)["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16, 24]
+    assert dv.engine_sizes(64, 32, 8192, on_gpu=True)["max_num_batched_tokens"] == 2048
+    # on the CPU prompts are prefilled whole: a step holds max_model_len
+    assert dv.engine_sizes(16, 4096, 8192, on_gpu=False)["max_num_batched_tokens"] == 8192
+    with pytest.raises(ValueError, match="0 episodes of 4096 tokens"):
+        dv.engine_sizes(0, 4096, 8192, on_gpu=True)
+
+
+def test_a_runs_engine_is_built_for_the_ranks_share_of_episodes(monkeypatch):
+    built = {}
+
+    class Recording(dv.VLLMDecoder):
+        def __init__(self, checkpoint, encoder, **kwargs):
+            built.update(kwargs)
+            raise StopIteration
+
+    monkeypatch.setattr(dv, "refuse_image_hooks", lambda path: None)
+    monkeypatch.setattr("vagen.distributed.world_size", lambda: 4)
+    cfg = load_config("sokoban_text", ["rollout.backend=vllm", "rollout.env_groups=16", "rollout.group_size=8",
+                                       "rollout.max_trajectory_length=2048"])
+    with pytest.raises(StopIteration):
+        Recording.from_config(cfg, encoder=object())
+    assert built["episodes"] == 32 and built["trajectory_length"] == 2048

@@ -142,7 +142,7 @@ class VLLMDecoder:
     `vagen.decoding.Decoder`; `sync_weights` and `sleep` keep it in step with training."""
 
     def __init__(self, checkpoint: str | Path, encoder: ChatEncoder, *, dtype: str = "float32", seed: int = 0,
-                 lora_rank: int = 0, **settings):
+                 lora_rank: int = 0, episodes: int | None = None, trajectory_length: int | None = None, **settings):
         unknown = sorted(set(settings) - set(DEFAULT_SETTINGS))
         if unknown:
             raise ValueError(f"unknown vLLM settings {unknown}; known: {sorted(DEFAULT_SETTINGS)}")
@@ -205,6 +205,13 @@ class VLLMDecoder:
             # token budget. Whole prompts per step instead.
             options["enable_chunked_prefill"] = False
             options["max_num_batched_tokens"] = int(self.settings["max_model_len"])
+        if episodes is not None:  # sized for the rank's episodes, not for serving (`engine_sizes`)
+            self.sizes = engine_sizes(episodes, trajectory_length or int(self.settings["max_model_len"]),
+                                      int(self.settings["max_model_len"]), self.on_gpu)
+            options.update(max_num_seqs=self.sizes["max_num_seqs"],
+                           max_num_batched_tokens=self.sizes["max_num_batched_tokens"])
+            if self.on_gpu:
+                options["compilation_config"] = {"cudagraph_capture_sizes": self.sizes["cudagraph_capture_sizes"]}
         # What the family's kernels need over these (Qwen3.5's linear layers: chunked prefill under prefix caching)
         options.update(family_of(self.checkpoint).vllm_options(self.on_gpu, dtype))
         self.lora_rank, self.lora_request, self.adapter_dir, self.adapters_loaded = int(lora_rank), None, None, 0
@@ -254,8 +261,9 @@ class VLLMDecoder:
         refuse_image_hooks(checkpoint)
         if encoder is None:
             encoder = ChatEncoder(load_policy(checkpoint, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)[1])
-        decoder = cls(checkpoint, encoder, dtype=cfg.model.dtype, seed=cfg.train.seed,
-                      lora_rank=cfg.model.lora_rank, **settings_from(cfg))
+        episodes = cfg.rollout.env_groups // world_size() * cfg.rollout.group_size  # the rank's share, as train.py plays it
+        decoder = cls(checkpoint, encoder, dtype=cfg.model.dtype, seed=cfg.train.seed, lora_rank=cfg.model.lora_rank,
+                      episodes=episodes, trajectory_length=cfg.rollout.max_trajectory_length, **settings_from(cfg))
         if model is not None:
             decoder.sync_weights(model)
         return decoder
@@ -498,6 +506,31 @@ def placement(tensor_parallel: int, ranks: int) -> dict:
                            f"are not set; start the job with the DeepSpeed launcher (deepspeed vagen/train.py) or "
                            f"with vagen.distributed.init_distributed, which set them")
     return {"distributed_executor_backend": "external_launcher"}
+
+
+# Tokens one engine step reads at most on a GPU: vLLM's own default for GPUs under 70 GB, half of what it takes
+# above (16,384), which it profiles activations for out of the KV cache's budget.
+STEP_TOKENS = 8192
+
+
+def engine_sizes(episodes: int, trajectory_length: int, max_model_len: int, on_gpu: bool) -> dict:
+    """The engine's batch sizes for a rank that plays `episodes` at once (`rollout.env_groups / ranks x
+    rollout.group_size`), each at most `trajectory_length` tokens, instead of vLLM's serving defaults (on a
+    GPU of 70 GB or more: 1,024 sequences, 16,384 tokens a step, CUDA graphs up to batch 512, and 1,024 rows of
+    logits profiled out of the KV cache's budget):
+    - `max_num_seqs`: the episodes; the agent loop never runs more requests than that;
+    - `max_num_batched_tokens`: on a GPU, every episode's trajectory in one step where that is under
+      `STEP_TOKENS` (longer prompts are prefilled in chunks), never under `max_num_seqs`; on the CPU
+      `max_model_len`, since prompts are prefilled whole there (see `VLLMDecoder`);
+    - `cudagraph_capture_sizes`: decode batches of 1, 2, 4, then multiples of 8 up to the first that holds
+      every episode (vLLM's own pattern, cut at `max_num_seqs`)."""
+    if episodes < 1 or trajectory_length < 1:
+        raise ValueError(f"an engine for {episodes} episodes of {trajectory_length} tokens; both must be at least 1 "
+                         f"(rollout.env_groups / ranks x rollout.group_size, rollout.max_trajectory_length)")
+    step = max(episodes, min(episodes * trajectory_length, STEP_TOKENS)) if on_gpu else max_model_len
+    largest = -(-episodes // 8) * 8 if episodes > 4 else episodes
+    sizes = sorted({size for size in (1, 2, 4) if size < largest} | set(range(8, largest + 1, 8)) | {largest})
+    return {"max_num_seqs": episodes, "max_num_batched_tokens": step, "cudagraph_capture_sizes": sizes}
 
 
 def eager(setting: bool | None, on_gpu: bool) -> bool:

@@ -402,7 +402,8 @@ def main(argv=None) -> int:
         from vagen.decoding_vllm import VLLMDecoder, settings_from
 
         decoder = VLLMDecoder(checkpoint, encoder, dtype=cfg.model.dtype, seed=cfg.eval.sample_seed + rank,
-                              **settings_from(cfg))
+                              episodes=max(1, -(-episodes // dist.world_size)),  # the rank's share (`evaluate`)
+                              trajectory_length=cfg.rollout.max_trajectory_length, **settings_from(cfg))
     try:
         summary = evaluate(model, encoder, cfg, episodes, out, videos=videos, dist=dist,
                            desc="eval" if rank == 0 else None, decoder=decoder)
