@@ -72,3 +72,36 @@ def test_a_rank_left_without_trajectories_makes_every_rank_raise_the_same_error(
     lines = [out.strip().splitlines()[-1] for out, _ in outputs]
     assert lines[0] == lines[1], lines
     assert lines[0].startswith("raised: this iteration has 1 level group(s) to train") and "for 2 ranks" in lines[0]
+
+
+def test_each_cuda_rank_renders_mujoco_on_its_own_gpu_within_the_egl_devices():
+    from vagen.distributed import mujoco_egl_device
+
+    assert [mujoco_egl_device(rank, 8, {}) for rank in range(8)] == [str(rank) for rank in range(8)]
+    assert mujoco_egl_device(3, 8, {"MUJOCO_GL": "EGL"}) == "3"
+    assert [mujoco_egl_device(rank, 2, {}) for rank in range(4)] == ["0", "1", "0", "1"]  # fewer EGL devices
+    assert mujoco_egl_device(None, 1, {}) is None  # a CPU rank: MuJoCo raises for an id its devices lack
+    assert mujoco_egl_device(1, 0, {}) is None  # no EGL device
+    assert mujoco_egl_device(1, 8, {"MUJOCO_GL": "osmesa"}) is None
+    assert mujoco_egl_device(1, 8, {"MUJOCO_EGL_DEVICE_ID": "5"}) is None  # the user's choice stays
+
+
+def test_the_egl_device_is_set_for_cuda_ranks_only_and_inherited_by_worker_processes():
+    import vagen.distributed
+    from vagen.distributed import render_on_rank_device
+
+    def no_count():
+        raise AssertionError("EGL devices counted for a rank that renders nothing on a GPU")
+
+    environ = {}
+    assert render_on_rank_device(torch.device("cpu"), environ, no_count) is None and environ == {}
+    assert render_on_rank_device(vagen.distributed.rank_device(1), environ, no_count) is None or torch.cuda.is_available()
+    assert "MUJOCO_EGL_DEVICE_ID" not in environ
+    assert render_on_rank_device(torch.device("cuda", 1), {"MUJOCO_GL": "osmesa"}, no_count) is None
+    environ = {"PATH": "/usr/bin"}
+    assert render_on_rank_device(torch.device("cuda", 3), environ, lambda: 8) == "3"
+    assert environ["MUJOCO_EGL_DEVICE_ID"] == "3"
+    seen = subprocess.run([sys.executable, "-c", "import os; print(os.environ['MUJOCO_EGL_DEVICE_ID'])"],
+                          env=environ, capture_output=True, text=True, check=True).stdout.strip()
+    assert seen == "3"
+

@@ -141,29 +141,33 @@ def test_resume_auto_without_a_run_name_takes_the_newest_run_the_config_named(tm
         capsys.readouterr().out
 
 
-def test_zero_1_to_3_states_on_another_rank_count_or_stage_are_refused_with_what_was_saved(tmp_path, capsys):
+def test_zero_1_to_3_states_on_another_rank_count_are_converted_and_another_stage_is_refused(tmp_path, capsys):
     zero3 = ["train.deepspeed_config=deepspeed/zero3_fp32.json"]
     cfg = load_config("sokoban_text", zero3)
     ckpt = _checkpoint(tmp_path / "run", 2, ranks=2, zero_stage=3)
-    check_resume_layout(ckpt, cfg, 2)  # as saved
+    assert check_resume_layout(ckpt, cfg, 2) is False  # as saved
+    assert capsys.readouterr().out == ""
+    assert check_resume_layout(ckpt, cfg, 1) is True  # through a universal checkpoint
+    assert capsys.readouterr().out == (
+        f"train.resume: step_2 was saved on 2 rank(s) with ZeRO-3 and resumes on 1: its per-rank optimizer states "
+        f"are loaded through DeepSpeed's universal checkpoint ({ckpt / 'universal'}; batches are shared out anew)\n")
     with pytest.raises(ResumeError) as err:
-        check_resume_layout(ckpt, cfg, 1)
-    message = str(err.value)
-    assert f"checkpoint {ckpt} was saved on 2 rank(s) with ZeRO-3" in message
-    assert "this run has 1 rank(s)" in message and "Resume on 2 rank(s) (deepspeed --num_gpus 2" in message
-    assert f"model.path={ckpt / 'actor'} model.critic_path={ckpt / 'critic'} train.resume=null" in message
-    with pytest.raises(ResumeError, match=r"holds ZeRO-3 engine states, and this run asks for ZeRO-0 \(train"):
         check_resume_layout(ckpt, load_config("sokoban_text"), 2)
+    message = str(err.value)
+    assert f"checkpoint {ckpt} holds ZeRO-3 engine states, and this run asks for ZeRO-0 (train" in message
+    assert f"model.path={ckpt / 'actor'} model.critic_path={ckpt / 'critic'} train.resume=null" in message
     # a checkpoint written before the layout was recorded: read from DeepSpeed's file names
     old = _checkpoint(tmp_path / "old", 1)
     for rank in range(4):
         (old / "deepspeed" / "actor" / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
     assert saved_layout(old) == (4, 2)
     zero2 = load_config("sokoban_text", ["train.deepspeed_config=deepspeed/zero2_bf16.json", "model.dtype=bfloat16"])
-    with pytest.raises(ResumeError, match=r"saved on 4 rank\(s\) with ZeRO-2"):
-        check_resume_layout(old, zero2, 8)
+    assert check_resume_layout(old, zero2, 8) is True
+    assert "step_1 was saved on 4 rank(s) with ZeRO-2 and resumes on 8" in capsys.readouterr().out
+    with pytest.raises(ResumeError, match=r"holds ZeRO-2 engine states, and this run asks for ZeRO-3"):
+        check_resume_layout(old, cfg, 4)
     zero0 = _checkpoint(tmp_path / "zero0", 1, ranks=2, zero_stage=0)
-    check_resume_layout(zero0, load_config("sokoban_text"), 1)
+    assert check_resume_layout(zero0, load_config("sokoban_text"), 1) is False  # loads as saved
     assert capsys.readouterr().out == (
         "train.resume: step_1 was saved on 2 rank(s) and resumes on 1: ZeRO-0 keeps the whole optimizer state "
         "on every rank, so it loads as saved (batches are shared out anew)\n")
@@ -226,3 +230,107 @@ def test_zero0_resumes_on_another_rank_count_with_its_optimizer_state_and_zero3_
     assert "checkpoint: " not in output  # stopped before the models were built
     assert (tmp_path / "hop" / "config.yaml").read_text() == before
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_1", "step_2", "step_3"]
+
+
+# -- ZeRO 1-3 on another rank count: DeepSpeed's universal checkpoint ------------------------------------------
+
+RESUME_WORKER = Path(__file__).parent / "resume_worker.py"
+
+
+def _hop(ranks: int, tmp_path, model_cache, stage_args, iterations: int):
+    """`iterations` in all of the run "hop" on `ranks` gloo ranks (resumed when it has a checkpoint), through
+    tests/resume_worker.py, which writes the actor's whole optimizer states under tmp_path/dumps."""
+    dumps = tmp_path / "dumps"
+    dumps.mkdir(exist_ok=True)
+    args = [f"--dump={dumps}", *SMALL, f"train.run_dir={tmp_path}", "train.run_name=hop",
+            f"model.builtin_cache={model_cache}", f"train.iterations={iterations}", "train.resume=auto", *stage_args]
+    if ranks == 1:
+        cmd = [sys.executable, str(RESUME_WORKER), *args]
+    else:
+        from test_distributed import _free_port
+
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
+               str(_free_port()), str(RESUME_WORKER), *args]
+    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _steps(ckpt: Path) -> tuple[set, set]:
+    """(the engines' global step counts, AdamW's step counts) in every engine-state file of the actor."""
+    def found(value, key):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if k == key:
+                    yield v.item() if torch.is_tensor(v) else v
+                else:
+                    yield from found(v, key)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                yield from found(v, key)
+
+    global_steps, adam_steps = set(), set()
+    for path in (ckpt / "deepspeed" / "actor").glob("*.pt"):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        global_steps.update(found({k: v for k, v in state.items() if k == "global_steps"}, "global_steps"))
+        adam_steps.update(found(state.get("optimizer_state_dict", {}), "step"))
+    return global_steps, adam_steps
+
+
+def _assert_same_states(saved: dict, resumed: dict) -> None:
+    assert saved.keys() == resumed.keys()
+    for name, states in saved.items():
+        for key, value in states.items():
+            assert torch.equal(value, resumed[name][key]), f"{name} {key}"
+    assert any(s["exp_avg"].abs().sum() > 0 for s in saved.values())  # the moments are not a fresh optimizer's
+
+
+def _resume_on_other_rank_counts(tmp_path, model_cache, stage_args, hops):
+    """`hops` (rank counts), one iteration each: every resumed run starts from exactly the fp32 weights and
+    AdamW moments that were saved, and the step counts and metrics carry on."""
+    checkpoints = tmp_path / "hop" / "checkpoints"
+    for it, ranks in enumerate(hops, start=1):
+        done = _hop(ranks, tmp_path, model_cache, stage_args, it)
+        if it > 1:
+            saved_on = hops[it - 2]
+            assert (f"train.resume: step_{it - 1} was saved on {saved_on} rank(s) with ZeRO-"
+                    in done.stdout), done.stdout[-3000:]
+            assert f"and resumes on {ranks}: its per-rank optimizer states are loaded through DeepSpeed's " \
+                   f"universal checkpoint ({checkpoints / f'step_{it - 1}' / 'universal'}" in done.stdout
+            assert "train.resume: converted in " in done.stdout
+            _assert_same_states(torch.load(tmp_path / "dumps" / f"saved_step_{it - 1}.pt"),
+                                torch.load(tmp_path / "dumps" / f"resumed_step_{it - 1}.pt"))
+        global_steps, adam_steps = _steps(checkpoints / f"step_{it}")
+        assert global_steps == {2 * it} and adam_steps == {2 * it}, (global_steps, adam_steps)  # 2 per iteration
+        state = json.loads((checkpoints / f"step_{it}" / "trainer_state.json").read_text())
+        assert (state["ranks"], state["iteration"]) == (ranks, it - 1)
+    assert [r["iteration"] for r in _record(tmp_path / "hop")] == list(range(len(hops)))
+
+
+ZERO3 = ["train.deepspeed_config=deepspeed/zero3_fp32.json"]
+ZERO2 = ["train.deepspeed_config=deepspeed/zero2_bf16.json", "model.dtype=bfloat16"]
+
+
+def test_zero3_saved_on_one_rank_resumes_on_two_with_its_optimizer_state(tmp_path, tiny_text, model_cache):
+    _resume_on_other_rank_counts(tmp_path, model_cache, ZERO3, (1, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage_args", [ZERO3, ZERO2, [*ZERO3, "model.lora_rank=8"], [*ZERO2, "model.lora_rank=8"]],
+                         ids=["zero3", "zero2", "zero3_lora", "zero2_lora"])
+def test_zero_1_to_3_resume_one_two_one_ranks(tmp_path, tiny_text, model_cache, stage_args):
+    _resume_on_other_rank_counts(tmp_path, model_cache, stage_args, (1, 2, 1))
+
+
+def test_a_missing_resume_path_is_refused_on_every_rank_by_name(tmp_path, model_cache):
+    """Every rank stops with the path it was given and what was expected there, before any model is built,
+    and none with a traceback (rank 0 alone used to raise, and the others lost their peer)."""
+    missing = tmp_path / "nope"
+    done = _train_on(2, tmp_path, model_cache, f"train.resume={missing}")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    said = f"refused: train.resume={missing}: no such path (expected trainer_state.json in a runs/<run>/checkpoints/"
+    assert sum(line.startswith(said) for line in output.splitlines()) == 1, output[-3000:]
+    assert sum(line.startswith(f"rank 1: {said}") for line in output.splitlines()) == 1, output[-3000:]
+    assert "Traceback" not in output and "checkpoint: " not in output
+    assert not (tmp_path / "hop").exists()

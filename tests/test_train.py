@@ -58,9 +58,17 @@ def test_resume_continues_the_step_counter_and_metrics(tmp_path, model_cache, di
     assert _deterministic(_metrics(straight)[2]) == _deterministic(_metrics(run)[2])
 
 
-def test_resume_from_a_missing_path_says_what_was_expected(tmp_path, model_cache, distributed):
-    with pytest.raises(FileNotFoundError, match="no checkpoint there"):
-        _run("sokoban_text", tmp_path, model_cache, f"train.resume={tmp_path / 'nope'}")
+def test_resume_from_a_missing_path_says_what_was_expected(tmp_path, model_cache, distributed, capsys):
+    (tmp_path / "empty").mkdir()
+    for path, why in ((tmp_path / "nope", "no such path"), (tmp_path / "empty", "no checkpoint there")):
+        with pytest.raises(SystemExit) as stop:  # a refusal, not a traceback
+            _run("sokoban_text", tmp_path, model_cache, f"train.resume={path}")
+        assert stop.value.code == 2
+        assert capsys.readouterr().err == (
+            f"refused: train.resume={path}: {why} (expected trainer_state.json in a runs/<run>/checkpoints/step_N "
+            f"directory, or a run directory with checkpoints/latest); give the path of a checkpoint, "
+            f"train.resume=auto to resume the run train.run_name names, or train.resume=null for a new run\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # no run directory was made
 
 
 def test_periodic_evaluation_logs_eval_metrics_and_writes_videos(tmp_path, model_cache, distributed):

@@ -88,3 +88,23 @@ def _check_lockstep_and_update(tmp_path, tiny_vl, stages):
                     assert held == whole, (stage, rank, held, whole)
                 else:
                     assert held <= 0.6 * whole, (stage, rank, held, whole)
+
+
+def test_the_zero3_build_leaves_torch_linear_as_it_was(distributed, monkeypatch):
+    """`deepspeed.zero.Init`, under which the models are built partitioned, replaces `torch.nn.functional.linear`
+    with DeepSpeed's autograd function and never puts it back; the vLLM engine built afterwards in the same
+    process looks `F.linear` up at every call. One gloo rank, the shipped ZeRO-3 config."""
+    import torch.nn.functional as F
+
+    from vagen.config import load_config
+    from vagen.models import base_checkpoint, load_policy
+    from vagen.train import partitioned_build
+
+    monkeypatch.setattr(F, "linear", torch._C._nn.linear)  # whatever an earlier test of the session left
+    cfg = load_config("sokoban_text", ["train.deepspeed_config=deepspeed/zero3_fp32.json"])
+    with partitioned_build(cfg, distributed) as partitioned:
+        model, _ = load_policy(base_checkpoint(cfg.model), cfg.model.dtype)
+        inside = F.linear
+    assert partitioned and all(hasattr(p, "ds_id") for p in model.parameters()), "the model was not built partitioned"
+    assert inside is not torch._C._nn.linear, "zero.Init no longer replaces F.linear: this test checks nothing"
+    assert F.linear is torch._C._nn.linear, f"F.linear is {F.linear} after the ZeRO-3 build"

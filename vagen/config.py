@@ -230,6 +230,9 @@ class SFTConfig:
     batch_size: int = _f(16, "episodes per optimizer step")
     micro_batch_size: int = _f(16, "episodes per forward/backward")
     length_window: int = _f(4, "batches drawn at once and regrouped by episode length, so that rows of a batch "
+    dist_timeout_minutes: int = _f(30, "how long a rank waits in a collective for the others (process-group "
+                                       "timeout): the longest any rank works alone, e.g. rank 0 writing a "
+                                       "checkpoint or converting one at resume")
                                "pad less (FrozenLake: 25% padding -> 7%); 1 = plain random batches")
     lr: float = _f(1e-3, "learning rate (peak, after warm-up)")
     lr_schedule: str = _f("constant", "after warm-up: constant | cosine (down to 0 at sft.max_steps)")
@@ -550,6 +553,9 @@ def _check_vllm(cfg: Config) -> None:
     v, ro = cfg.vllm, cfg.rollout
     if v.tensor_parallel_size < 1 or v.max_model_len < 1 or not 0.0 < v.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"vllm.tensor_parallel_size={v.tensor_parallel_size} and vllm.max_model_len="
+    if tr.dist_timeout_minutes < 1:
+        raise ConfigError(f"train.dist_timeout_minutes={tr.dist_timeout_minutes} must be >= 1 (minutes a rank waits "
+                          f"for the others in a collective); 30 is usual, more where checkpoints are large")
                           f"{v.max_model_len} must be >= 1, and vllm.gpu_memory_utilization="
                           f"{v.gpu_memory_utilization} in (0, 1]")
     if ro.backend == "vllm" and v.max_model_len < ro.max_trajectory_length:

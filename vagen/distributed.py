@@ -7,6 +7,7 @@ forward passes are collective (`partitioned_over_ranks`), how to all-reduce, gat
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -207,12 +208,52 @@ def rank_device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def init_distributed(need_group: bool = True) -> Dist:
+def slurm_environment(environ) -> dict[str, str]:
+    """The variables of torch's process-group start, read from what `srun` sets for each task: RANK from
+    SLURM_PROCID, LOCAL_RANK from SLURM_LOCALID, WORLD_SIZE from SLURM_STEP_NUM_TASKS (else SLURM_NTASKS),
+    LOCAL_WORLD_SIZE from the tasks on this node, MASTER_ADDR the step's first node, MASTER_PORT one per job
+    (20000 + job id modulo 10000). Variables already set (a launcher's, the user's) are kept. Empty outside
+    an srun step of several tasks (one task is a plain `python` run)."""
+    tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
+    if "RANK" in environ or "SLURM_PROCID" not in environ or not tasks or int(tasks) < 2:
+        return {}
+    nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if "MASTER_ADDR" not in environ and not nodes:
+        raise ValueError(f"srun started {tasks} tasks but set no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST to take "
+                         f"the first node from; set MASTER_ADDR to the host of task 0")
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or tasks
+    out = {"RANK": environ["SLURM_PROCID"], "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"), "WORLD_SIZE": tasks,
+           "LOCAL_WORLD_SIZE": per_node.split("(")[0].split(",")[0],  # "4(x2)": 4 tasks on each of 2 nodes
+           "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(nodes),
+           "MASTER_PORT": environ.get("MASTER_PORT") or str(20000 + int(environ.get("SLURM_JOB_ID", "0")) % 10000)}
+    return out
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: "gpu[03-04,07],cpu1" -> "gpu03", "node7" -> "node7"."""
+    head, depth = "", 0
+    for char in nodelist:
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            break
+        head += char
+    if "[" not in head:
+        return head
+    prefix, rest = head.split("[", 1)
+    ranges, suffix = rest.split("]", 1)
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+
+
+def init_distributed(need_group: bool = True, timeout_minutes: float = 30) -> Dist:
     """The start of every entry point (training, evaluation, warm starts): the rank's device becomes the
     current CUDA device before any collective (NCCL would otherwise put every rank's communication on
-    GPU 0), CPU ranks share the cores (`cpu_threads`), and the process group the DeepSpeed launcher
-    describes is joined: gloo on CPU, NCCL on GPUs. Under plain `python` the group is one of one,
-    made only when `need_group` (DeepSpeed engines need one; evaluation on one rank does not)."""
+    GPU 0), CPU ranks share the cores (`cpu_threads`), and the process group that the launcher describes
+    is joined (the DeepSpeed launcher and torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT;
+    under `srun` they are read from SLURM's variables, `slurm_environment`): gloo on CPU, NCCL on GPUs,
+    with `timeout_minutes` for every collective (`train.dist_timeout_minutes`). Under plain `python` the
+    group is one of one, made only when `need_group` (DeepSpeed engines need one; evaluation on one rank
+    does not)."""
+    os.environ.update(slurm_environment(os.environ))
     if "RANK" not in os.environ and need_group:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
@@ -221,6 +262,7 @@ def init_distributed(need_group: bool = True) -> Dist:
     device = rank_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        render_on_rank_device(device)  # before any environment (or env worker process) opens a GL context
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         # Two processes on two cores with default threading measured 4.6x slower than one thread each.
@@ -229,10 +271,50 @@ def init_distributed(need_group: bool = True) -> Dist:
         import deepspeed
 
         clear_stale_build_locks()  # DeepSpeed builds its ops on first use, from init_distributed on
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False,
+                                   timeout=datetime.timedelta(minutes=timeout_minutes))
         if device.type == "cpu":
             _unlink_shm_workspace(rank)
     return Dist(rank, world, local_rank, device)
+
+
+def mujoco_egl_device(cuda_index: int | None, egl_devices: int, environ) -> str | None:
+    """The `MUJOCO_EGL_DEVICE_ID` for a rank on CUDA device `cuda_index` (None: a CPU rank) where MuJoCo sees
+    `egl_devices` EGL devices: the rank's own GPU (within MuJoCo's count), so that its renderers, and those of
+    its env workers, sit beside its engine instead of every rank's on GPU 0. None (leave it as it is) where
+    MuJoCo does not render through EGL (`MUJOCO_GL`, egl by default in `envs_visual`), where it is set already,
+    on a CPU (MuJoCo raises for an id its devices do not have) and where MuJoCo sees no EGL device."""
+    if environ.get("MUJOCO_GL", "egl").lower() != "egl" or "MUJOCO_EGL_DEVICE_ID" in environ:
+        return None
+    if cuda_index is None or egl_devices <= 0:
+        return None
+    return str(cuda_index % egl_devices)
+
+
+def egl_device_count() -> int:
+    """EGL devices MuJoCo can render on, counted in a process of its own (importing mujoco here would fix its
+    GL backend before `envs_visual` chooses it); 0 where EGL is missing."""
+    import subprocess
+    import sys
+
+    script = ("import os; os.environ['MUJOCO_GL'] = 'egl'; from mujoco.egl import egl_ext as EGL; "
+              "print(len(EGL.eglQueryDevicesEXT()))")
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return 0
+
+
+def render_on_rank_device(device: torch.device, environ=os.environ, count=egl_device_count) -> str | None:
+    """Set `MUJOCO_EGL_DEVICE_ID` in `environ` (inherited by env worker processes) for a rank on `device`
+    (`mujoco_egl_device`); EGL devices are counted only where it can apply. Returns what was set."""
+    if device.type != "cuda" or mujoco_egl_device(0, 1, environ) is None:
+        return None
+    value = mujoco_egl_device(device.index, count(), environ)
+    if value is not None:
+        environ["MUJOCO_EGL_DEVICE_ID"] = value
+    return value
 
 
 def leave_process_group(code: int) -> int:

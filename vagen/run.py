@@ -23,6 +23,8 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,6 +57,9 @@ class RunDir:
         self.t0 = time.time()
         self.trackers = None  # vagen.trackers.Trackers on rank 0
         self.resume_from: Path | None = None
+        # The engine states are loaded from the checkpoint's universal/ form (saved on another rank count
+        # under ZeRO 1-3): the engines are made with DeepSpeed's `checkpoint.load_universal`.
+        self.universal = False
 
     # -- creation and resuming ------------------------------------------------------------------------
     @classmethod
@@ -65,11 +70,14 @@ class RunDir:
         path = None
         first = None
         refusal = None
+        universal = False
         if dist.rank == 0:
             try:
                 resume_from = find_checkpoint(cfg)
                 if resume_from is not None:
-                    check_resume_layout(resume_from, cfg, dist.world_size)
+                    universal = check_resume_layout(resume_from, cfg, dist.world_size)
+                if universal:  # the other ranks wait in the broadcast below (train.dist_timeout_minutes)
+                    to_universal(resume_from, cfg, dist.world_size)
             except ResumeError as err:
                 refusal = str(err)
             if refusal is None and resume_from is not None:
@@ -84,11 +92,15 @@ class RunDir:
                     forget_after(path, 0)
             if refusal is None:
                 (path / "config.yaml").write_text(to_yaml(cfg))
-        path, resume_from, refusal = broadcast_object((path, resume_from, refusal), dist)
-        if refusal is not None:
-            raise SystemExit(f"refused: {refusal}" if dist.rank == 0 else 1)
+        path, resume_from, refusal, universal = broadcast_object((path, resume_from, refusal, universal), dist)
+        if refusal is not None:  # every rank says why it stops, then all stop together
+            print(f"refused: {refusal}" if dist.rank == 0 else f"rank {dist.rank}: refused: {refusal}",
+                  file=sys.stderr, flush=True)
+            barrier(dist)
+            raise SystemExit(2)
         run = cls(Path(path), dist)
         run.resume_from = resume_from
+        run.universal = universal
         if run.is_main:  # a resumed run continues its tracker runs from `first`
             from vagen.trackers import Trackers
 
@@ -102,13 +114,13 @@ class RunDir:
         if self.resume_from is None:
             return 0
         ckpt = self.resume_from
+        states = ckpt / ("universal" if self.universal else "deepspeed")
         for name, engine in (("actor", actor_engine), ("critic", critic_engine)):
             if engine is not None:
                 # frozen base weights (LoRA) are not in the engine states: they come from model.path
-                load_path, _ = engine.load_checkpoint(str(ckpt / "deepspeed"), tag=name,
-                                                      load_module_strict=not _has_frozen(engine))
+                load_path, _ = engine.load_checkpoint(str(states), tag=name, load_module_strict=not _has_frozen(engine))
                 if load_path is None:
-                    raise FileNotFoundError(f"no {name} engine state under {ckpt / 'deepspeed'}; the checkpoint is incomplete")
+                    raise FileNotFoundError(f"no {name} engine state under {states}; the checkpoint is incomplete")
         state = json.loads((ckpt / "trainer_state.json").read_text())
         if "monitor" in state:
             monitor.load_state_dict(state["monitor"])
@@ -290,9 +302,11 @@ def find_checkpoint(cfg: Config) -> Path | None:
         if (path / "checkpoints" / "latest").exists():
             path = _latest(path)
         if not (path / "trainer_state.json").exists():
-            raise FileNotFoundError(
-                f"train.resume={resume!r}: no checkpoint there (expected trainer_state.json in a "
-                f"runs/<run>/checkpoints/step_N directory, or a run directory with checkpoints/latest)"
+            there = "no such path" if not Path(resume).exists() else "no checkpoint there"
+            raise ResumeError(
+                f"train.resume={resume}: {there} (expected trainer_state.json in a runs/<run>/checkpoints/step_N "
+                f"directory, or a run directory with checkpoints/latest); give the path of a checkpoint, "
+                f"train.resume=auto to resume the run train.run_name names, or train.resume=null for a new run"
             )
         print(f"train.resume={resume}: resuming from checkpoint {path.name} ({path})", flush=True)
         return path
@@ -349,14 +363,16 @@ def saved_layout(ckpt: Path) -> tuple[int | None, int]:
     return len(optim), 3 if any(n.startswith("zero_pp_rank_") and n.endswith("model_states.pt") for n in names) else 2
 
 
-def check_resume_layout(ckpt: Path, cfg: Config, world_size: int) -> None:
-    """Refuse a checkpoint whose engine states DeepSpeed cannot load on `world_size` ranks with
-    `train.deepspeed_config`; say on stdout when it resumes on another number of ranks.
+def check_resume_layout(ckpt: Path, cfg: Config, world_size: int) -> bool:
+    """Refuse a checkpoint whose engine states DeepSpeed cannot load with `train.deepspeed_config`; say on
+    stdout when it resumes on another number of ranks. Returns whether its engine states must first be
+    converted to DeepSpeed's universal form (`to_universal`).
 
     ZeRO-0 keeps the whole optimizer state in one file that every rank loads, so any rank count
-    resumes it. ZeRO 1-3 split the fp32 master weights and AdamW moments into one file per rank, and
-    DeepSpeed's loader refuses another data-parallel size; ZeRO 1 and 2 share a file layout, ZeRO-3
-    keeps the parameters partitioned as well."""
+    resumes it as saved. ZeRO 1-3 split the fp32 master weights and AdamW moments into one file per rank,
+    which DeepSpeed loads only on the rank count that saved them; on another count they are converted to
+    a universal checkpoint (one file per parameter and state, any rank count loads it). ZeRO 1 and 2 share
+    a file layout, ZeRO-3 keeps the parameters partitioned as well: a stage of the other family is refused."""
     ranks, stage = saved_layout(ckpt)
     asked = _stage_of(cfg.train.deepspeed_config)
     family = {0: 0, 1: 1, 2: 1, 3: 3}
@@ -366,17 +382,52 @@ def check_resume_layout(ckpt: Path, cfg: Config, world_size: int) -> None:
             f"(train.deepspeed_config={cfg.train.deepspeed_config}), whose optimizer state is laid out otherwise; "
             f"resume with the DeepSpeed config it was saved with, or {_fresh_start(ckpt)}")
     if ranks is None or ranks == world_size:
-        return
+        return False
     if stage == 0:
         print(f"train.resume: {ckpt.name} was saved on {ranks} rank(s) and resumes on {world_size}: ZeRO-0 keeps "
               f"the whole optimizer state on every rank, so it loads as saved (batches are shared out anew)",
               flush=True)
-        return
-    raise ResumeError(
-        f"train.resume: checkpoint {ckpt} was saved on {ranks} rank(s) with ZeRO-{stage}, which splits the "
-        f"fp32 master weights and AdamW moments into one file per rank; this run has {world_size} rank(s), and "
-        f"DeepSpeed loads such states only on the rank count that saved them. Resume on {ranks} rank(s) "
-        f"(deepspeed --num_gpus {ranks} ..., or a hostfile with {ranks} slots), or {_fresh_start(ckpt)}")
+        return False
+    print(f"train.resume: {ckpt.name} was saved on {ranks} rank(s) with ZeRO-{stage} and resumes on {world_size}: "
+          f"its per-rank optimizer states are loaded through DeepSpeed's universal checkpoint "
+          f"({ckpt / 'universal'}; batches are shared out anew)", flush=True)
+    return True
+
+
+def to_universal(ckpt: Path, cfg: Config, world_size: int) -> Path:
+    """`ckpt/universal/<actor|critic>`: the engine states of `ckpt` in DeepSpeed's universal form (its
+    `ds_to_universal` script, run in a process of its own, whose memory goes with it), which any rank count
+    loads with the DeepSpeed config's `checkpoint.load_universal`. Written once, by rank 0, into
+    `universal.tmp` and renamed when complete; a later resume on another rank count reuses it. It takes
+    about as long as reading and writing the optimizer states once (minutes at 7B), while the other ranks
+    wait for at most train.dist_timeout_minutes."""
+    out = ckpt / "universal"
+    if (out / "done").exists():
+        print(f"train.resume: using the universal checkpoint converted before, {out}", flush=True)
+        return out
+    tmp = ckpt / "universal.tmp"
+    if tmp.exists():  # a conversion that was stopped
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    t0 = time.perf_counter()
+    waiting = (f" (the other {world_size - 1} rank(s) wait for it up to train.dist_timeout_minutes="
+               f"{cfg.train.dist_timeout_minutes})" if world_size > 1 else "")
+    print(f"train.resume: converting the engine states of {ckpt.name} to a universal checkpoint in {out}{waiting}",
+          flush=True)
+    for name in sorted(p.name for p in (ckpt / "deepspeed").iterdir() if p.is_dir()):  # actor, critic
+        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                   str(ckpt / "deepspeed" / name), "--output_folder", str(tmp / name), "--inject_missing_state",
+                   "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        if done.returncode != 0:
+            raise ResumeError(
+                f"train.resume: converting {ckpt / 'deepspeed' / name} to a universal checkpoint failed (exit "
+                f"{done.returncode}), so it cannot resume on {world_size} rank(s); resume on the rank count it "
+                f"was saved on, or {_fresh_start(ckpt)}. The conversion said:\n{(done.stdout + done.stderr)[-3000:]}")
+    (tmp / "done").write_text(f"{time.perf_counter() - t0:.1f} s\n")
+    os.replace(tmp, out)
+    print(f"train.resume: converted in {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
 
 
 def _fresh_start(ckpt: Path) -> str:

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
         return 2
     from vagen.distributed import init_distributed
 
-    dist = init_distributed()
+    dist = init_distributed(timeout_minutes=cfg.train.dist_timeout_minutes)
     if refused(lambda: check_ranks(cfg, dist.world_size)):
         return 2
     import torch
@@ -171,8 +171,9 @@ def build_models(cfg, dist, run, is_main_process: bool) -> Models:
         reference.eval().requires_grad_(False)
         # a partitioned model runs only inside an engine, which gathers each layer's parameters for its call
         reference = make_engine(reference, cfg, 0.0, dist, frozen=True) if partitioned else reference.to(dist.device)
-    actor_engine = make_engine(actor, cfg, cfg.train.actor_lr, dist)
-    critic_engine = make_engine(critic, cfg, cfg.train.critic_lr, dist) if critic is not None else None
+    actor_engine = make_engine(actor, cfg, cfg.train.actor_lr, dist, universal=run.universal)
+    critic_engine = (make_engine(critic, cfg, cfg.train.critic_lr, dist, universal=run.universal)
+                     if critic is not None else None)
     if lora and cfg.algo.kl_coef > 0:
         reference = AdaptersOff(actor_engine)
     return Models(actor_engine, critic_engine, reference, processor, encoder)
@@ -182,18 +183,24 @@ def build_models(cfg, dist, run, is_main_process: bool) -> Models:
 def partitioned_build(cfg, dist):
     """Inside, under ZeRO-3, `from_pretrained` builds models partitioned over the ranks from the start
     (transformers runs it under `deepspeed.zero.Init` while an `HfDeepSpeedConfig` lives): no rank ever
-    holds a whole model on the host, which at 3B in float32 was 30-45 GB per rank. Yields whether it does."""
+    holds a whole model on the host, which at 3B in float32 was 30-45 GB per rank. Yields whether it does.
+    `torch.nn.functional.linear` is restored on the way out: `deepspeed.zero.Init` replaces it with
+    DeepSpeed's own autograd function and leaves it replaced for the whole process, where the vLLM engine's
+    linear layers (which look `F.linear` up at every call, CUDA-graph capture included) would run it too."""
     ds = deepspeed_config(cfg, cfg.train.actor_lr, dist.world_size, dist.device.type == "cuda")
     if ds.get("zero_optimization", {}).get("stage", 0) != 3:
         yield False
         return
+    import torch
     from transformers.integrations import HfDeepSpeedConfig
 
+    linear = torch.nn.functional.linear
     marker = HfDeepSpeedConfig(ds)  # held by a weak reference in transformers: alive inside only
     try:
         yield True
     finally:
         del marker
+        torch.nn.functional.linear = linear
 
 
 def build_critic(cfg, policy_path):
@@ -385,9 +392,10 @@ def deepspeed_config(cfg, lr: float, world_size: int, on_gpu: bool) -> dict:
     return ds
 
 
-def make_engine(module, cfg, lr: float, dist, frozen: bool = False):
+def make_engine(module, cfg, lr: float, dist, frozen: bool = False, universal: bool = False):
     """A DeepSpeed engine of `module` with `train.deepspeed_config`; `frozen`: no optimizer or schedule
-    (a reference model that only runs forward)."""
+    (a reference model that only runs forward); `universal`: it loads its states from a universal checkpoint
+    (vagen.run.to_universal: saved on another rank count)."""
     import deepspeed
 
     config = deepspeed_config(cfg, lr, dist.world_size, dist.device.type == "cuda")
@@ -411,3 +419,5 @@ if __name__ == "__main__":
     from vagen.distributed import leave_process_group
 
     raise SystemExit(leave_process_group(main()))
+    if universal:
+        config["checkpoint"] = {"load_universal": True}

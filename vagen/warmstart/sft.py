@@ -668,7 +668,7 @@ def main(argv=None) -> int:
     from vagen.distributed import init_distributed
     from vagen.models import base_checkpoint
 
-    dist = init_distributed()
+    dist = init_distributed(timeout_minutes=cfg.train.dist_timeout_minutes)
     base = Path(args.base) if args.base else base_checkpoint(cfg.model, base_path_of(cfg))
     out = Path(args.out) if args.out else default_out(cfg, args.policy)
     command = " ".join(["python -m vagen.sft", *(argv if argv is not None else sys.argv[1:])])
