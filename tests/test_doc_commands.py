@@ -1,13 +1,14 @@
 """Every GPU command in README.md and docs/*.md passes the checks `vagen/train.py` runs for the GPU count
-it states (`python -m vagen.config ... --ranks N`), so the docs cannot drift from the code."""
+it states on GPUs of 80 GiB (`python -m vagen.config ... --ranks N --gpu-gib 80`), so the docs cannot drift
+from the code."""
 
 import re
 import shlex
 from pathlib import Path
 
 import pytest
+from test_recipes import check_recipe
 
-from vagen.config import check_config
 from vagen.train import parse_args
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +57,7 @@ def test_the_docs_hold_gpu_commands():
 def test_gpu_command_passes_the_checks_for_its_gpu_count(page, command):
     words = shlex.split(command)
     args = parse_args(words[words.index("vagen/train.py") + 1:])
-    check_config(args.config, args.overrides, ranks(command))
+    check_recipe(args.config, args.overrides, ranks(command), gpu_gib=80)  # raises what does not fit
 
 
 def test_commands_are_extracted_with_their_continuations():

@@ -349,6 +349,15 @@ def shipped_checkpoints() -> list[str]:
     """Names of the shipped warm starts (folders of assets/checkpoints with a config.json)."""
     root = checkpoints_dir()
     return sorted(p.name for p in root.iterdir() if (p / "config.json").exists()) if root.is_dir() else []
+class ChecksFailed(ConfigError):
+    """Several checks failed at once: `failures` holds one sentence each, and `lines` what else the check
+    found (`check_config`: the memory estimate)."""
+
+    def __init__(self, failures: list[str], lines: list[str] | None = None):
+        super().__init__("\n".join(failures))
+        self.failures, self.lines = list(failures), list(lines or [])
+
+
 
 
 def model_path_error(path: str) -> str | None:
@@ -721,37 +730,48 @@ def check_training(cfg: Config) -> None:
                 f"with \"bf16\": {{\"enabled\": true}} (fp32 master weights), e.g. "
                 f"train.deepspeed_config=deepspeed/zero2_bf16.json, or model.dtype=float32"
             )
-    if cfg.model.lora_rank > 0:
-        import importlib.util
-
-        if importlib.util.find_spec("peft") is None:
-            raise ConfigError(f"model.lora_rank={cfg.model.lora_rank} builds its adapters with the peft library, which "
-                              f"is not installed; pip install -e \".[lora]\" (or model.lora_rank=0)")
-    from vagen.trackers import missing_packages_error
-
-    problem = missing_packages_error(cfg.log.trackers)  # before any work, not at the first log
-    if problem:
-        raise ConfigError(problem)
 
 
-def check_config(names: str | list[str] | None, overrides: list[str] | None, ranks: int) -> tuple[Config, list[str]]:
-    """Every check `vagen/train.py` runs before it loads a model, for `ranks` ranks, and the per-GPU memory
-    estimate of the model states (`vagen.memory`). A model.path directory that is not on this machine is
-    accepted, and its parameters counted from the published shape its name gives. Raises ConfigError."""
+def machine_problems(cfg: Config) -> list[str]:
+    """What this environment and the checkpoint's config.json rule out, read before anything loads
+    (`vagen.preflight`): a package the config's backend or extras import and this environment lacks (vllm,
+    peft, a tracker's), a model family vagen does not know, vagen's image hooks under rollout.backend=vllm."""
+    from vagen.preflight import checkpoint_problems, missing_packages
+
+
+
+def check_config(names: str | list[str] | None, overrides: list[str] | None, ranks: int,
+                 gpu_gib: float | None = None) -> tuple[Config, list[str]]:
+    """Every check `vagen/train.py` runs before it loads a model, for `ranks` ranks (the packages the config
+    needs and its checkpoint's family among them: `machine_problems`), and the per-GPU memory estimate of
+    the model states (`vagen.memory`); with `gpu_gib`, whether they fit a GPU of that many GiB beside vLLM's
+    share, DeepSpeed's buckets and a margin. A model.path directory that is not on this machine is accepted,
+    and its parameters counted from the published shape its name gives. Returns the config and the
+    estimate's lines; a config that does not load raises ConfigError, and failing checks raise ChecksFailed
+    with every failure and the estimate."""
     if ranks < 1:
         raise ConfigError(f"--ranks {ranks}: the number of ranks (GPUs over all nodes) must be >= 1")
     cfg = load_configs(names, overrides, require_checkpoint=False)
-    check_training(cfg)
-    check_ranks(cfg, ranks)
+    failures = []
+    for check in (check_training, lambda c: check_ranks(c, ranks)):
+        try:
+            check(cfg)
+        except ConfigError as err:
+            failures.append(str(err))
+    failures += machine_problems(cfg)
     path = CONFIGS_DIR / cfg.train.deepspeed_config
     if not path.is_file():
-        raise ConfigError(f"train.deepspeed_config={cfg.train.deepspeed_config}: no file {path}; choose one of "
-                          f"{', '.join(sorted(str(p.relative_to(CONFIGS_DIR)) for p in CONFIGS_DIR.glob('deepspeed/*')))}")
+        choices = ", ".join(sorted(str(p.relative_to(CONFIGS_DIR)) for p in CONFIGS_DIR.glob("deepspeed/*")))
+        raise ChecksFailed([*failures, f"train.deepspeed_config={cfg.train.deepspeed_config}: no file {path}; choose "
+                                       f"one of {choices}"])
     import json
 
     from vagen.memory import estimate
 
-    lines = estimate(cfg, ranks, json.loads(path.read_text())).lines
+    result = estimate(cfg, ranks, json.loads(path.read_text()), gpu_gib)
+    lines = result.lines
+    if result.problem:
+        failures.append(result.problem)
     if cfg.model.lora_rank > 0:
         lines.append("  not checked here: model.lora_target_modules against the model's layers (train.py does, "
                      "once the checkpoint loads)")
@@ -805,6 +825,7 @@ def _coerce(value: Any, tp, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off"):
             return value.lower() in ("true", "yes", "on")
     elif expected is int:
+    return missing_packages(cfg) + checkpoint_problems(cfg)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -812,6 +833,8 @@ def _coerce(value: Any, tp, where: str) -> Any:
         if isinstance(value, str):
             try:
                 return int(value)
+    if gpu_gib is not None and not gpu_gib > 0:
+        raise ConfigError(f"--gpu-gib {gpu_gib}: the memory of one GPU in GiB must be > 0, e.g. --gpu-gib 80")
             except ValueError:
                 pass
     elif expected is float:
@@ -827,6 +850,8 @@ def _coerce(value: Any, tp, where: str) -> Any:
             return number
         if number is not None:
             raise ConfigError(f"{where}: expected a finite number, received {value!r}; fix the value in the YAML "
+    if failures:
+        raise ChecksFailed(failures, lines)
                               f"file or override, e.g. {where}=0.5")
     elif expected is str:
         if isinstance(value, str):
@@ -1128,7 +1153,15 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(load_config_or_exit(names, args.overrides), with_help=True), end="")
         return 0
     try:
-        cfg, lines = check_config(names, args.overrides, args.ranks)
+        cfg, lines = check_config(names, args.overrides, args.ranks, gpu_gib)
+    except ChecksFailed as err:
+        count = len(err.failures)
+        print(f"{count} of the checks train.py runs before loading the model fail{'s' if count == 1 else ''} for "
+              f"{args.ranks} rank(s):", file=sys.stderr)
+        print("\n".join(f"config error: {failure}" for failure in err.failures), file=sys.stderr)
+        if err.lines:
+            print("\n".join(err.lines))
+        return 2
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -1139,3 +1172,12 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+    parser.add_argument("--gpu-gib", type=float, default=None,
+                        help="with --ranks: the memory of one GPU in GiB (default: the visible GPU's, where there is "
+                             "one); the estimate adds vLLM's share, DeepSpeed's buckets and a margin, and refuses "
+                             "what does not fit")
+    gpu_gib = args.gpu_gib
+    if gpu_gib is None:
+        from vagen.memory import visible_gpu_gib
+
+        gpu_gib = visible_gpu_gib()

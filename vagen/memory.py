@@ -14,19 +14,50 @@ directory (exact, for any architecture), or from the published shape of a checkp
 
 A frozen parameter (the base under LoRA adapters, the reference) holds its weights only. The critic
 (`gae`, `turn_gae`) is a second model of the same size; the reference (`algo.kl_coef > 0`, full
-fine-tuning) a third, weights only. Activations, the [tokens, vocabulary] log-probability chunks,
-DeepSpeed's communication buckets, the CUDA context and vLLM's share of the GPU are not in the figure.
+fine-tuning) a third, weights only.
+
+With the GPU's memory G (`--gpu-gib G`, by default the visible GPU's), the estimate adds what else lives on
+the GPU while the engines hold their states, and refuses a total over G:
+
+    vLLM         vllm.gpu_memory_utilization x G (rollout.backend=vllm): vLLM starts after the engines and
+                 takes that share whatever else is resident; sleeping it releases the share during the
+                 update, but the engines' states are resident while it is awake, so the two add up
+    buckets      DeepSpeed's communication buffers of `train.deepspeed_config` (configs/deepspeed/ sets each
+                 size): per trained engine (actor, and critic for gae/turn_gae) its reduce bucket of
+                 `reduce_bucket_size` elements in the model's dtype, two of them under ZeRO-1/2 with
+                 `overlap_comm` (DeepSpeed's double buffer); once, for the one engine that runs at a time,
+                 what it gathers: ZeRO-3's live parameters (`stage3_max_live_parameters` +
+                 `stage3_prefetch_bucket_size`, at least the largest tensor), ZeRO-1/2's
+                 `allgather_bucket_size`, ZeRO-0's fixed 5e8-element all-reduce buffer; each at most the
+                 parameters it holds
+    margin       MARGIN_GIB: the CUDA context and the allocator's fragmentation (1-3 GiB), and the
+                 activations of one micro-batch under gradient checkpointing with its [tokens, vocabulary]
+                 log-probability chunk (2-3 GiB at 7B and 2,400 tokens)
+
 Imports only the standard library: it runs inside `python -m vagen.config`, before torch.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import struct
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 GIB = 1024 ** 3
+
+# What the GPU check keeps free beyond the states, vLLM's share and the buckets (module docstring).
+MARGIN_GIB = 6.0
+
+# DeepSpeed's defaults, for a config that does not set a size (deepspeed/runtime/zero/config.py), and the
+# all-reduce buffer of ZeRO-0 (deepspeed/runtime/engine.py, MEMORY_OPT_ALLREDUCE_SIZE), which no setting
+# changes.
+BUCKET_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+                   "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
+ZERO0_ALLREDUCE = 500_000_000
 
 # Published shapes (the checkpoints' config.json) of the checkpoints the estimate knows by name, matched
 # against the last component of model.path when that directory is not on this machine; `model_type` picks
@@ -191,7 +222,58 @@ def lora_parameters(tensors, targets, rank: int) -> int:
 @dataclass
 class Estimate:
     lines: list[str]
-    total_gib: float | None  # None when the parameters could not be counted
+    total_gib: float | None  # model states; None when the parameters could not be counted
+    gpu_total_gib: float | None = None  # with vLLM's share, the buckets and the margin, when the GPU is known
+    problem: str | None = None  # why it does not fit the GPU, and what to change
+
+
+def visible_gpu_gib() -> float | None:
+    """The memory of the smallest GPU this process would use (CUDA_VISIBLE_DEVICES), in GiB, asked of
+    nvidia-smi (no torch); None without an NVIDIA GPU or driver."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    rows = [[field.strip() for field in line.split(",")] for line in done.stdout.splitlines() if line.count(",") == 2]
+    if done.returncode or not rows:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        wanted = [entry.strip() for entry in visible.split(",") if entry.strip()]
+        rows = [row for row in rows if row[0] in wanted or any(row[1].startswith(w) for w in wanted if len(w) > 3)]
+    sizes = [float(row[2]) / 1024 for row in rows if row[2].replace(".", "", 1).isdigit()]
+    return min(sizes) if sizes else None
+
+
+def communication_gib(deepspeed: dict, width: int, trained: list[int], held: int, largest: int) -> tuple[float, str]:
+    """GiB of DeepSpeed's communication buffers on each GPU (module docstring, "buckets"), and how they add
+    up: `trained` holds the trained parameter count of each engine that steps an optimizer, `held` the
+    parameters of one model, `largest` the element count of its largest tensor, `width` the bytes of the
+    model's dtype."""
+    zero = deepspeed.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+
+    def size(key: str) -> int:
+        return int(float(zero.get(key, BUCKET_DEFAULTS[key])))
+
+    buffers = 0
+    if stage == 0:
+        gathered, what = min(ZERO0_ALLREDUCE, max(trained, default=0)), "ZeRO-0's all-reduce buffer"
+    elif stage == 3:
+        live = size("stage3_max_live_parameters") + size("stage3_prefetch_bucket_size")
+        gathered, what = min(max(live, largest), held), "live parameters gathered"
+        buffers = 1 if zero.get("contiguous_gradients", True) else 0
+    else:
+        gathered, what = min(size("allgather_bucket_size"), max(trained, default=0)), "all-gather bucket"
+        buffers = (2 if zero.get("overlap_comm", False) else 1) if zero.get("contiguous_gradients", True) else 0
+    reduce_size = size("reduce_bucket_size") if stage > 0 else 0
+    reduce = sum(buffers * min(reduce_size, count) for count in trained)
+    detail = (f"{len(trained)} engine(s) x {buffers} reduce bucket(s) of {reduce_size:.0e} elements"
+              if buffers and trained else "no reduce bucket")
+    return width * (reduce + gathered) / GIB, f"{detail}, {what}: {gathered:.2e} elements"
 
 
 def model_tensors(path: str) -> tuple[list | None, str]:
@@ -216,12 +298,16 @@ def model_tensors(path: str) -> tuple[list | None, str]:
                                   f"the checks ran without it)")
 
 
-def estimate(cfg, ranks: int, deepspeed: dict) -> Estimate:
+def estimate(cfg, ranks: int, deepspeed: dict, gpu_gib: float | None = None) -> Estimate:
     """Per-rank GiB of the actor's, critic's and reference's weights, gradients and AdamW states for `ranks`
-    ranks under the DeepSpeed settings `deepspeed` (the JSON of train.deepspeed_config)."""
+    ranks under the DeepSpeed settings `deepspeed` (the JSON of train.deepspeed_config); with `gpu_gib`, the
+    total with vLLM's share, DeepSpeed's buckets and MARGIN_GIB against a GPU of that many GiB."""
     tensors, source = model_tensors(cfg.model.path)
     if tensors is None:
-        return Estimate([f"memory estimate: {source}"], None)
+        lines = [f"memory estimate: {source}"]
+        if gpu_gib is not None:
+            lines.append(f"  GPU of {gpu_gib:.1f} GiB: not checked, the parameters are not counted")
+        return Estimate(lines, None)
     stage = deepspeed.get("zero_optimization", {}).get("stage", 0)
     bf16 = bool(deepspeed.get("bf16", {}).get("enabled", False))
     width = 2 if bf16 else 4
@@ -268,10 +354,44 @@ def estimate(cfg, ranks: int, deepspeed: dict) -> Estimate:
     elif cfg.algo.kl_coef > 0:
         lines.append("  reference  the actor with its adapters off: no copy")
     lines.append(f"  total      {result:.1f} GiB per GPU of model states")
-    vllm = (f"vLLM's share of the GPU (vllm.gpu_memory_utilization={cfg.vllm.gpu_memory_utilization} of it while "
-            f"the engine is awake{'; released during the update: vllm.sleep_mode' if cfg.vllm.sleep_mode else ''})"
-            if cfg.rollout.backend == "vllm" else "the hf rollout's key/value cache")
-    lines.append(f"  not counted: activations (less with model.gradient_checkpointing), the [tokens, vocabulary] "
-                 f"log-probability chunks, DeepSpeed's communication buckets, the CUDA context and allocator "
-                 f"(1-3 GiB), {vllm}")
-    return Estimate(lines, result)
+    engines = [trained] * len(parts)  # the actor's and the critic's optimizers
+    buckets, how = communication_gib(deepspeed, width, engines, held, max(_numel(shape) for _, shape in tensors))
+    if gpu_gib is None:
+        vllm = (f"vLLM's share of the GPU (vllm.gpu_memory_utilization={cfg.vllm.gpu_memory_utilization} of it)"
+                if cfg.rollout.backend == "vllm" else "the hf rollout's key/value cache")
+        lines.append(f"  DeepSpeed's communication buckets: {buckets:.1f} GiB ({how})")
+        lines.append(f"  not counted without a GPU size (--gpu-gib G): {vllm}, and a margin of {MARGIN_GIB:.0f} GiB "
+                     f"for the CUDA context, the allocator and one micro-batch's activations")
+        return Estimate(lines, result)
+    vllm = cfg.vllm.gpu_memory_utilization * gpu_gib if cfg.rollout.backend == "vllm" else 0.0
+    gpu_total = result + vllm + buckets + MARGIN_GIB
+    lines.append(f"  buckets    {buckets:6.1f} GiB of DeepSpeed's communication buffers ({how})")
+    if cfg.rollout.backend == "vllm":
+        lines.append(f"  vLLM       {vllm:6.1f} GiB (vllm.gpu_memory_utilization={cfg.vllm.gpu_memory_utilization} "
+                     f"of {gpu_gib:.0f} GiB)")
+    else:
+        lines.append("  rollout    the hf rollout's key/value cache: not counted")
+    lines.append(f"  margin     {MARGIN_GIB:6.1f} GiB (CUDA context, allocator, one micro-batch's activations)")
+    lines.append(f"  GPU total  {gpu_total:.1f} GiB of {gpu_gib:.0f} GiB: {'fits' if gpu_total <= gpu_gib else 'does not fit'}")
+    problem = None
+    if gpu_total > gpu_gib:
+        over = gpu_total - gpu_gib
+        fixes = ["more ranks (--ranks N, deepspeed --num_gpus N: the partitioned states shrink with them)"]
+        if stage < 3:
+            fixes.append("ZeRO-3 (train.deepspeed_config=deepspeed/zero3_bf16.json), which partitions the weights too")
+        if cfg.rollout.backend == "vllm":
+            room = gpu_gib - result - buckets - MARGIN_GIB
+            engine_weights = (2 if cfg.model.dtype == "bfloat16" else 4) * total / GIB
+            if room > engine_weights:
+                fixes.append(f"a smaller vLLM share: vllm.gpu_memory_utilization={room / gpu_gib:.2f} fits, leaving "
+                             f"{room - engine_weights:.1f} GiB beside vLLM's {engine_weights:.1f} GiB of weights for "
+                             f"this rank's key/value cache")
+            else:
+                fixes.append(f"rollout.backend=hf: beside the states there is no room for vLLM's {engine_weights:.1f} "
+                             f"GiB of weights")
+        if m.lora_rank == 0:
+            fixes.append("LoRA (model.lora_rank > 0; the -lora recipes), which trains a fraction of the parameters")
+        problem = (f"the estimate of {gpu_total:.1f} GiB per GPU ({result:.1f} GiB of model states, {vllm:.1f} GiB of "
+                   f"vLLM, {buckets:.1f} GiB of DeepSpeed buckets, a {MARGIN_GIB:.0f} GiB margin) does not fit a GPU "
+                   f"of {gpu_gib:.0f} GiB with {ranks} rank(s), by {over:.1f} GiB; use " + "; or ".join(fixes))
+    return Estimate(lines, result, gpu_total, problem)

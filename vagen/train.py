@@ -115,21 +115,27 @@ def refused(check) -> bool:
     try:
         check()
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        for failure in getattr(err, "failures", [str(err)]):
+            print(f"config error: {failure}", file=sys.stderr)
         return True
     return False
 
 
 def check_before_loading(cfg) -> None:
-    """The checks of training that need no rank: sampling settings, the DeepSpeed config, LoRA's target names
-    (a name that does not exist fails here, before anything is written)."""
-    from vagen.config import check_training
+    """The checks of training that need no rank: sampling settings, the DeepSpeed config, the packages the
+    config needs and what the checkpoint's config.json says (`vagen.config.machine_problems`: all of them
+    reported at once), LoRA's target names (a name that does not exist fails here, before anything is
+    written)."""
+    from vagen.config import ChecksFailed, check_training, machine_problems
 
     check_training(cfg)
     if cfg.model.lora_rank > 0:
         from vagen.models import check_lora_targets
 
         check_lora_targets(cfg.model)
+    problems = machine_problems(cfg)
+    if problems:
+        raise ChecksFailed(problems)
 
 
 WATCHED = {"grad_norm": "actor/grad_norm", "entropy_mean": "actor/entropy_mean",

