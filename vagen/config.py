@@ -213,6 +213,9 @@ class TrainConfig:
     resume: str | None = _f(None, "auto (latest in this run name) | PATH of a checkpoint | null")
     save_every: int = _f(0, "checkpoint every N iterations; 0 = only at the end")
     keep_checkpoints: int | None = _f(None, "keep only the newest N checkpoints of a run; null = all")
+    dist_timeout_minutes: int = _f(30, "how long a rank waits in a collective for the others (process-group "
+                                       "timeout): the longest any rank works alone, e.g. rank 0 writing a "
+                                       "checkpoint or converting one at resume")
     critic_warmup: int = _f(0, "iterations that update only the critic")
     max_bad_steps: int = _f(3, "optimizer steps in a row skipped for a non-finite loss or gradient after which the "
                                "run saves a checkpoint and stops")
@@ -230,9 +233,6 @@ class SFTConfig:
     batch_size: int = _f(16, "episodes per optimizer step")
     micro_batch_size: int = _f(16, "episodes per forward/backward")
     length_window: int = _f(4, "batches drawn at once and regrouped by episode length, so that rows of a batch "
-    dist_timeout_minutes: int = _f(30, "how long a rank waits in a collective for the others (process-group "
-                                       "timeout): the longest any rank works alone, e.g. rank 0 writing a "
-                                       "checkpoint or converting one at resume")
                                "pad less (FrozenLake: 25% padding -> 7%); 1 = plain random batches")
     lr: float = _f(1e-3, "learning rate (peak, after warm-up)")
     lr_schedule: str = _f("constant", "after warm-up: constant | cosine (down to 0 at sft.max_steps)")
@@ -332,6 +332,15 @@ class ConfigError(ValueError):
     """A configuration mistake; the message says what was received and how to fix it."""
 
 
+class ChecksFailed(ConfigError):
+    """Several checks failed at once: `failures` holds one sentence each, and `lines` what else the check
+    found (`check_config`: the memory estimate)."""
+
+    def __init__(self, failures: list[str], lines: list[str] | None = None):
+        super().__init__("\n".join(failures))
+        self.failures, self.lines = list(failures), list(lines or [])
+
+
 BUILTIN_MODELS = ("builtin:tiny-vl", "builtin:tiny-qwen3-vl", "builtin:tiny-qwen3.5", "builtin:tiny-text")
 
 # Set while `load_configs(..., require_checkpoint=False)` validates: a model.path directory may be absent.
@@ -349,15 +358,6 @@ def shipped_checkpoints() -> list[str]:
     """Names of the shipped warm starts (folders of assets/checkpoints with a config.json)."""
     root = checkpoints_dir()
     return sorted(p.name for p in root.iterdir() if (p / "config.json").exists()) if root.is_dir() else []
-class ChecksFailed(ConfigError):
-    """Several checks failed at once: `failures` holds one sentence each, and `lines` what else the check
-    found (`check_config`: the memory estimate)."""
-
-    def __init__(self, failures: list[str], lines: list[str] | None = None):
-        super().__init__("\n".join(failures))
-        self.failures, self.lines = list(failures), list(lines or [])
-
-
 
 
 def model_path_error(path: str) -> str | None:
@@ -534,6 +534,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"env.workers={cfg.env.workers} must be >= 0 (0: environments step in the trainer's process)")
     if tr.keep_checkpoints is not None and tr.keep_checkpoints < 1:
         raise ConfigError(f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1, or null to keep every checkpoint")
+    if tr.dist_timeout_minutes < 1:
+        raise ConfigError(f"train.dist_timeout_minutes={tr.dist_timeout_minutes} must be >= 1 (minutes a rank waits "
+                          f"for the others in a collective); 30 is usual, more where checkpoints are large")
     if algo.loss_norm_tokens is not None and algo.loss_norm_tokens < 1:
         raise ConfigError(f"algo.loss_norm_tokens={algo.loss_norm_tokens} must be >= 1, or null for "
                           f"rollout.max_turns x (rollout.max_new_tokens + 1)")
@@ -562,9 +565,6 @@ def _check_vllm(cfg: Config) -> None:
     v, ro = cfg.vllm, cfg.rollout
     if v.tensor_parallel_size < 1 or v.max_model_len < 1 or not 0.0 < v.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"vllm.tensor_parallel_size={v.tensor_parallel_size} and vllm.max_model_len="
-    if tr.dist_timeout_minutes < 1:
-        raise ConfigError(f"train.dist_timeout_minutes={tr.dist_timeout_minutes} must be >= 1 (minutes a rank waits "
-                          f"for the others in a collective); 30 is usual, more where checkpoints are large")
                           f"{v.max_model_len} must be >= 1, and vllm.gpu_memory_utilization="
                           f"{v.gpu_memory_utilization} in (0, 1]")
     if ro.backend == "vllm" and v.max_model_len < ro.max_trajectory_length:
@@ -730,14 +730,13 @@ def check_training(cfg: Config) -> None:
                 f"with \"bf16\": {{\"enabled\": true}} (fp32 master weights), e.g. "
                 f"train.deepspeed_config=deepspeed/zero2_bf16.json, or model.dtype=float32"
             )
-
-
 def machine_problems(cfg: Config) -> list[str]:
     """What this environment and the checkpoint's config.json rule out, read before anything loads
     (`vagen.preflight`): a package the config's backend or extras import and this environment lacks (vllm,
     peft, a tracker's), a model family vagen does not know, vagen's image hooks under rollout.backend=vllm."""
     from vagen.preflight import checkpoint_problems, missing_packages
 
+    return missing_packages(cfg) + checkpoint_problems(cfg)
 
 
 def check_config(names: str | list[str] | None, overrides: list[str] | None, ranks: int,
@@ -751,6 +750,8 @@ def check_config(names: str | list[str] | None, overrides: list[str] | None, ran
     with every failure and the estimate."""
     if ranks < 1:
         raise ConfigError(f"--ranks {ranks}: the number of ranks (GPUs over all nodes) must be >= 1")
+    if gpu_gib is not None and not gpu_gib > 0:
+        raise ConfigError(f"--gpu-gib {gpu_gib}: the memory of one GPU in GiB must be > 0, e.g. --gpu-gib 80")
     cfg = load_configs(names, overrides, require_checkpoint=False)
     failures = []
     for check in (check_training, lambda c: check_ranks(c, ranks)):
@@ -775,6 +776,8 @@ def check_config(names: str | list[str] | None, overrides: list[str] | None, ran
     if cfg.model.lora_rank > 0:
         lines.append("  not checked here: model.lora_target_modules against the model's layers (train.py does, "
                      "once the checkpoint loads)")
+    if failures:
+        raise ChecksFailed(failures, lines)
     return cfg, lines
 
 
@@ -825,7 +828,6 @@ def _coerce(value: Any, tp, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off"):
             return value.lower() in ("true", "yes", "on")
     elif expected is int:
-    return missing_packages(cfg) + checkpoint_problems(cfg)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -833,8 +835,6 @@ def _coerce(value: Any, tp, where: str) -> Any:
         if isinstance(value, str):
             try:
                 return int(value)
-    if gpu_gib is not None and not gpu_gib > 0:
-        raise ConfigError(f"--gpu-gib {gpu_gib}: the memory of one GPU in GiB must be > 0, e.g. --gpu-gib 80")
             except ValueError:
                 pass
     elif expected is float:
@@ -850,8 +850,6 @@ def _coerce(value: Any, tp, where: str) -> Any:
             return number
         if number is not None:
             raise ConfigError(f"{where}: expected a finite number, received {value!r}; fix the value in the YAML "
-    if failures:
-        raise ChecksFailed(failures, lines)
                               f"file or override, e.g. {where}=0.5")
     elif expected is str:
         if isinstance(value, str):
@@ -1144,6 +1142,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every check train.py runs for this many ranks (GPUs over all nodes) and print a "
                              "per-GPU memory estimate instead of the config; a model.path not on this machine is "
                              "accepted when its name is a known checkpoint")
+    parser.add_argument("--gpu-gib", type=float, default=None,
+                        help="with --ranks: the memory of one GPU in GiB (default: the visible GPU's, where there is "
+                             "one); the estimate adds vLLM's share, DeepSpeed's buckets and a margin, and refuses "
+                             "what does not fit")
     args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     names = ([args.config] if args.config else []) + args.more
     if not names:
@@ -1152,6 +1154,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks is None:
         print(to_yaml(load_config_or_exit(names, args.overrides), with_help=True), end="")
         return 0
+    gpu_gib = args.gpu_gib
+    if gpu_gib is None:
+        from vagen.memory import visible_gpu_gib
+
+        gpu_gib = visible_gpu_gib()
     try:
         cfg, lines = check_config(names, args.overrides, args.ranks, gpu_gib)
     except ChecksFailed as err:
@@ -1172,12 +1179,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-    parser.add_argument("--gpu-gib", type=float, default=None,
-                        help="with --ranks: the memory of one GPU in GiB (default: the visible GPU's, where there is "
-                             "one); the estimate adds vLLM's share, DeepSpeed's buckets and a margin, and refuses "
-                             "what does not fit")
-    gpu_gib = args.gpu_gib
-    if gpu_gib is None:
-        from vagen.memory import visible_gpu_gib
-
-        gpu_gib = visible_gpu_gib()

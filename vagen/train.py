@@ -129,13 +129,13 @@ def check_before_loading(cfg) -> None:
     from vagen.config import ChecksFailed, check_training, machine_problems
 
     check_training(cfg)
+    problems = machine_problems(cfg)
+    if problems:
+        raise ChecksFailed(problems)
     if cfg.model.lora_rank > 0:
         from vagen.models import check_lora_targets
 
         check_lora_targets(cfg.model)
-    problems = machine_problems(cfg)
-    if problems:
-        raise ChecksFailed(problems)
 
 
 WATCHED = {"grad_norm": "actor/grad_norm", "entropy_mean": "actor/entropy_mean",
@@ -405,6 +405,8 @@ def make_engine(module, cfg, lr: float, dist, frozen: bool = False, universal: b
     import deepspeed
 
     config = deepspeed_config(cfg, lr, dist.world_size, dist.device.type == "cuda")
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
     if frozen:
         config.pop("optimizer", None)
         config.pop("scheduler", None)
@@ -425,5 +427,3 @@ if __name__ == "__main__":
     from vagen.distributed import leave_process_group
 
     raise SystemExit(leave_process_group(main()))
-    if universal:
-        config["checkpoint"] = {"load_universal": True}
