@@ -209,39 +209,37 @@ def rank_device(local_rank: int) -> torch.device:
 
 
 def slurm_environment(environ) -> dict[str, str]:
-    """The variables of torch's process-group start, read from what `srun` sets for each task: RANK from
-    SLURM_PROCID, LOCAL_RANK from SLURM_LOCALID, WORLD_SIZE from SLURM_STEP_NUM_TASKS (else SLURM_NTASKS),
-    LOCAL_WORLD_SIZE from the tasks on this node, MASTER_ADDR the step's first node, MASTER_PORT one per job
-    (20000 + job id modulo 10000). Variables already set (a launcher's, the user's) are kept. Empty outside
-    an srun step of several tasks (one task is a plain `python` run)."""
-    tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
+    """The variables of torch's process-group start, read from what `srun` sets for each task of a step:
+    RANK from SLURM_PROCID, LOCAL_RANK from SLURM_LOCALID, WORLD_SIZE from SLURM_STEP_NUM_TASKS,
+    LOCAL_WORLD_SIZE from SLURM_STEP_TASKS_PER_NODE, MASTER_ADDR the step's first node, MASTER_PORT one per
+    job (20000 + job id modulo 10000). Variables already set (a launcher's, the user's) are kept. Empty
+    outside an srun step of several tasks: the batch script itself sets SLURM_PROCID=0 and SLURM_NTASKS for
+    the whole job but is one process, which must not wait for the job's other tasks."""
+    tasks = environ.get("SLURM_STEP_NUM_TASKS")
     if "RANK" in environ or "SLURM_PROCID" not in environ or not tasks or int(tasks) < 2:
         return {}
-    nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
     if "MASTER_ADDR" not in environ and not nodes:
         raise ValueError(f"srun started {tasks} tasks but set no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST to take "
                          f"the first node from; set MASTER_ADDR to the host of task 0")
-    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or tasks
-    out = {"RANK": environ["SLURM_PROCID"], "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"), "WORLD_SIZE": tasks,
-           "LOCAL_WORLD_SIZE": per_node.split("(")[0].split(",")[0],  # "4(x2)": 4 tasks on each of 2 nodes
-           "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(nodes),
-           "MASTER_PORT": environ.get("MASTER_PORT") or str(20000 + int(environ.get("SLURM_JOB_ID", "0")) % 10000)}
-    return out
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or tasks
+    return {"RANK": environ["SLURM_PROCID"], "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"), "WORLD_SIZE": tasks,
+            "LOCAL_WORLD_SIZE": per_node.split("(")[0].split(",")[0],  # "4(x2)": 4 tasks on each of 2 nodes
+            "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(nodes),
+            "MASTER_PORT": environ.get("MASTER_PORT") or str(20000 + int(environ.get("SLURM_JOB_ID", "0")) % 10000)}
 
 
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: "gpu[03-04,07],cpu1" -> "gpu03", "node7" -> "node7"."""
+    import re
+
     head, depth = "", 0
     for char in nodelist:
         depth += (char == "[") - (char == "]")
         if char == "," and depth == 0:
             break
         head += char
-    if "[" not in head:
-        return head
-    prefix, rest = head.split("[", 1)
-    ranges, suffix = rest.split("]", 1)
-    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], head)
 
 
 def init_distributed(need_group: bool = True, timeout_minutes: float = 30) -> Dist:
