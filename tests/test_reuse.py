@@ -21,7 +21,9 @@ def _records(tmp_path, model_cache, *extra):
 def test_a_reused_batch_trains_again_off_policy_and_logs_its_staleness(tmp_path, model_cache, distributed):
     records = _records(tmp_path, model_cache, "rollout.reuse_iterations=2")
     assert [r["iteration"] for r in records] == [0, 1, 2]
-    assert [r["rollout/staleness"] for r in records] == [0.0, 1.0, 0.0]
+    # one notion of staleness with rollout.max_staleness: the updates since a trained token was sampled
+    assert [r["rollout/staleness_mean"] for r in records] == [0.0, 1.0, 0.0]
+    assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0, 0.0]
     # One mini-batch an iteration: a fresh batch's first update is on-policy (ratios 1) ...
     assert records[0]["actor/approx_kl"] < 1e-9 and records[2]["actor/approx_kl"] < 1e-9
     # ... the reused batch's is not: its old log-probs are those of the policy before iteration 0's step
@@ -34,7 +36,8 @@ def test_a_reused_batch_trains_again_off_policy_and_logs_its_staleness(tmp_path,
 
 def test_one_iteration_per_batch_samples_every_iteration(tmp_path, model_cache, distributed):
     records = _records(tmp_path, model_cache)  # the default, rollout.reuse_iterations=1
-    assert [r["rollout/staleness"] for r in records] == [0.0, 0.0, 0.0]
+    assert [r["rollout/staleness_mean"] for r in records] == [0.0, 0.0, 0.0]
+    assert [r["rollout/carried_episodes"] for r in records] == [0.0, 0.0, 0.0]
     assert all("rollout/success" in r and r["actor/approx_kl"] < 1e-9 for r in records)
 
 

@@ -117,7 +117,13 @@ class RolloutConfig:
                               "turn's prompt; 0 = the new observation alone")
     reuse_iterations: int = _f(1, "rollout freshness: each batch of rollouts trains this many consecutive "
                                   "iterations (1 = fresh rollouts every iteration); the reused iterations keep the "
-                                  "sampling policy's old log-probs and advantages, and log rollout/staleness")
+                                  "sampling policy's old log-probs and advantages; rollout/staleness_mean and _max "
+                                  "count the updates since a trained token was sampled")
+    max_staleness: int = _f(0, "k: updates a trained turn may lag the policy it is trained by (rollout.backend=vllm). "
+                               "0 = synchronous: every episode ends before the update. k > 0: a rollout ends once this "
+                               "rank's share of groups has ended, up to (k + 1) x that share of groups are in flight, "
+                               "and unfinished episodes go on after the update with the new weights; needs "
+                               "algo.rollout_correction=tis (decoupled PPO), (k + 1) x the environments")
 
 
 @dataclass
@@ -519,6 +525,7 @@ def validate(cfg: Config) -> None:
         )
     _check_state_reward(cfg)
     _check_lora(cfg)
+    _check_staleness(cfg)
     if cfg.algo.rollout_correction == "tis" and cfg.rollout.backend != "vllm":
         raise ConfigError("algo.rollout_correction=tis corrects for the gap between the engine that samples and the "
                           f"trainer, but rollout.backend={cfg.rollout.backend} samples from the trained model itself; "
@@ -558,6 +565,30 @@ def validate(cfg: Config) -> None:
             "model.path=builtin:tiny-text cannot see images but env.render_mode=vision; use "
             "model.path=builtin:tiny-vl or env.render_mode=text"
         )
+
+
+def _check_staleness(cfg: Config) -> None:
+    k = cfg.rollout.max_staleness
+    if k < 0:
+        raise ConfigError(f"rollout.max_staleness={k} must be >= 0 (0 = synchronous rollouts)")
+    if k == 0:
+        return
+    if cfg.rollout.backend != "vllm":
+        raise ConfigError(
+            f"rollout.max_staleness={k} carries unfinished episodes over updates, which rollout.backend="
+            f"{cfg.rollout.backend} cannot: it samples from the trained model itself and reports no sampling "
+            f"log-probabilities, so a carried turn's weight against the updated policy is unknown, and it plays "
+            f"episodes turn by turn in one batch; set rollout.backend=vllm, or rollout.max_staleness=0")
+    if cfg.algo.rollout_correction != "tis":
+        raise ConfigError(
+            f"rollout.max_staleness={k} trains turns sampled up to {k} update(s) before, which needs the "
+            f"importance correction of decoupled PPO (old log-probs of the policy at the update, weights "
+            f"min(p_old / p_sampler, C)); set algo.rollout_correction=tis")
+    if cfg.rollout.reuse_iterations > 1:
+        raise ConfigError(
+            f"rollout.max_staleness={k} and rollout.reuse_iterations={cfg.rollout.reuse_iterations} both train "
+            f"on turns of older weights, and together a turn could be {k + cfg.rollout.reuse_iterations - 1} "
+            f"updates old; use one of them (rollout.reuse_iterations=1, or rollout.max_staleness=0)")
 
 
 def _check_vllm(cfg: Config) -> None:

@@ -363,7 +363,7 @@ class VLLMDecoder:
                 game.ended.count()
                 for row in game.ready:
                     episode = game.episodes[row]
-                    params = self.sampling_params(game.sampling(len(episode.turns)), row)
+                    params = self.sampling_params(*game.request(row))  # seeded by its group's rollout and row
                     params.output_kind = RequestOutputKind.FINAL_ONLY
                     request_id = f"episode-{row}-turn-{len(episode.turns)}"
                     # What `LLM.generate` does to a prompt before `add_request`: the frames through vLLM's

@@ -65,6 +65,10 @@ class Turn:
     # earlier turns, its observation, its response); None with rollout.context=full, where it is the
     # episode's own
     context: TurnContext | None = None
+    # The policy version that sampled this turn: the updates completed before it was generated. With
+    # rollout.max_staleness > 0 an episode's turns may come from several versions; the update is this many
+    # versions later or more, its staleness (`vagen.staleness`).
+    version: int = 0
 
 
 @dataclass
@@ -112,6 +116,8 @@ class Episode:
     initial_state_key: Any = None  # the environment's `info["state_key"]` after `reset`
     error: str | None = None  # the environment raised: its exception in one line; the episode ended there
     segments: list[Segment] = field(default_factory=list)  # rollout.context=window: every observation so far
+    # This rank's number of the episode's group, counted over the run in admission order (rollout.max_staleness)
+    admission: int = 0
 
     @property
     def total_reward(self) -> float:

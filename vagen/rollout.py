@@ -18,7 +18,8 @@ from vagen.env_workers import (  # noqa: F401 (EnvTimeout, time_limit, env_error
     env_error_summary,
     time_limit,
 )
-from vagen.episode import ChatEncoder, Episode, Segment, Turn, TurnContext
+from vagen.episode import ChatEncoder, Episode, Segment, Turn, TurnContext, train_seeds
+from vagen.staleness import Admission
 
 
 def make_env(cfg_env, seed_env_params: dict | None = None):
@@ -79,11 +80,7 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
                              "process with env.workers > 0; use env.workers=0, or read the step's info from the "
                              "episodes")
         game = Game(encoder, cfg, seeds, group_size, pool, do_sample, sample_seed, on_step, progress)
-        decoder.start_rollout()
-        if schedule == "turns" or not hasattr(decoder, "play"):
-            play_in_turns(decoder, game)
-        else:
-            decoder.play(game)
+        play_game(decoder, game, schedule)
     finally:
         if owned:
             close_envs(envs)
@@ -91,6 +88,51 @@ def rollout(model, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int,
         ep.done = True
     game.ended.count()
     return game.episodes, game.timing
+
+
+def play_game(decoder: Decoder, game: Game, schedule: str | None = None) -> None:
+    decoder.start_rollout()
+    if schedule == "turns" or not hasattr(decoder, "play"):
+        play_in_turns(decoder, game)
+    else:
+        decoder.play(game)
+
+
+class Rollouts:
+    """A training run's rollouts on one rank, one batch per update. Groups are admitted in order
+    (`vagen.staleness.Admission`), each playing the level and request seeds its number gives; with
+    `rollout.max_staleness` = k > 0 a rollout ends once this rank's share of groups has ended whole, and the
+    episodes still unfinished wait between turns in the `Game`, which lives from one rollout to the next,
+    for the next weights. `envs` (a list, or `EnvWorkers`) holds (k + 1) x the share's episodes."""
+
+    def __init__(self, encoder: ChatEncoder, cfg, envs, rank: int = 0, world_size: int = 1, start: int = 0):
+        self.cfg, self.rank, self.envs = cfg, rank, envs
+        self.admission = Admission(cfg.rollout.env_groups // world_size, cfg.rollout.max_staleness)
+        self.admission.started = self.admission.resumed(start)
+        pool = InProcessEnvs(envs, cfg.env.step_timeout) if isinstance(envs, list) else envs
+        needed = (cfg.rollout.max_staleness + 1) * self.admission.groups_per_rank * cfg.rollout.group_size
+        assert len(pool) == needed, f"{len(pool)=} {needed=}"
+        self.game = Game(encoder, cfg, [], cfg.rollout.group_size, pool, None, 0, admission=self.admission)
+
+    def play(self, decoder: Decoder, version: int, drain: bool = False) -> tuple[list[Episode], dict[str, float]]:
+        """The rollout before the update of `version`: the episodes of every group that ended whole (in
+        admission order, `group_id` their rank among them), and the rollout's metrics. Carried episodes go on
+        first, new groups are admitted up to the bound; `drain`: every group admitted ends (before a
+        checkpoint, which then holds no carried episode)."""
+        cfg, game, share = self.cfg, self.game, self.admission.groups_per_rank
+        game.start(version, drain)
+        for number in self.admission.admit(version):
+            iteration, index = self.admission.level(number)
+            seed = train_seeds(iteration, cfg.rollout.env_groups, cfg.train.seed)[self.rank * share + index]
+            sample_seed = (cfg.train.seed * 1_000_003 + iteration) * 1_009 + self.rank
+            game.admit(number, seed, sample_seed, index * cfg.rollout.group_size)
+            game.sample_seed = sample_seed  # the per-turn schedule's, which plays k = 0 only (one iteration's groups)
+        game.take_answers(block=True, all_of_them=True)
+        play_game(decoder, game)
+        episodes = game.collect()
+        stats = dict(game.timing)
+        stats["rollout/carried_episodes"] = float(len(game.waiting))
+        return episodes, stats
 
 
 def play_in_turns(decoder: Decoder, game: Game) -> None:
@@ -118,28 +160,89 @@ class Game:
     `ready` (episodes whose next prompt is in their `input_ids`, ascending), answers each with `respond`
     (which sends the response to its environment), and collects the environments' answers with
     `take_answers`, which opens the next turns. `timing` collects the rollout's metrics: `timing/env` is the
-    time spent stepping environments here or waiting for a worker's answer, the decoder's wait for them."""
+    time spent stepping environments here or waiting for a worker's answer, the decoder's wait for them.
+
+    Episodes sit in slots, one per environment of `pool`, a group in `group_size` consecutive slots. A
+    training run's `Rollouts` keeps one game over its rollouts: with an `admission`, the rollout closes once
+    `admission.groups_per_rank` groups have ended whole, and from then on the next turns of groups that
+    may be carried over the update go to `waiting` instead of `ready`; `start` sends them on."""
 
     def __init__(self, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int, pool, do_sample, sample_seed: int,
-                 on_step=None, progress=None):
+                 on_step=None, progress=None, admission: Admission | None = None):
         self.encoder, self.ro, self.env_cfg, self.pool = encoder, cfg.rollout, cfg.env, pool
         self.max_turns, self.do_sample, self.sample_seed, self.on_step = cfg.rollout.max_turns, do_sample, sample_seed, on_step
         self.timing = {"timing/generate": 0.0, "timing/env": 0.0, "rollout/generated_tokens": 0.0}
-        n = len(seeds) * group_size
+        n = len(pool)
         self.episodes: list[Episode | None] = [None] * n
         self.observations: list = [None] * n
         self.responses: dict[int, tuple] = {}  # episode -> its turn's response, waiting for the environment
         self.ready: list[int] = []
-        self.seeds = [seeds[i // group_size] for i in range(n)]
+        self.waiting: list[int] = []  # episodes whose next turn waits for the next rollout (rollout.max_staleness)
+        self.seeds: list[int | None] = [None] * n
+        self.requests: list[tuple[int, int]] = [(sample_seed, i) for i in range(n)]  # (sample seed, row) of each slot
+        self.groups: dict[int, list[int]] = {}  # admission number -> the slots of its episodes
         self.group_size = group_size
-        for i in range(n):
-            pool.reset(i, self.seeds[i])
+        self.admission, self.version, self.draining, self.closed = admission, 0, False, False
+        for number, seed in enumerate(seeds):
+            self.admit(number, seed, sample_seed, number * group_size)
         self.take_answers(block=True, all_of_them=True)
         self.ended = Ended(self.episodes, progress)
+
+    def admit(self, number: int, seed: int, sample_seed: int, row: int) -> None:
+        """Start group `number` on level `seed` in the first free slots; its episodes' requests are seeded by
+        `sample_seed` and rows `row`, `row + 1`, ... (`request`)."""
+        used = {slot for slots in self.groups.values() for slot in slots}
+        free = [slot for slot in range(len(self.episodes)) if slot not in used][: self.group_size]
+        assert len(free) == self.group_size, f"no {self.group_size} free slots of {len(self.episodes)} for group {number}"
+        self.groups[number] = free
+        for k, slot in enumerate(free):
+            self.seeds[slot], self.requests[slot], self.episodes[slot] = seed, (sample_seed, row + k), None
+            self.pool.reset(slot, seed)
+
+    def start(self, version: int, drain: bool = False) -> None:
+        """A new rollout, before the update of `version`: the waiting episodes go on (with the new weights)."""
+        self.version, self.draining, self.closed = version, drain, False
+        self.timing = dict.fromkeys(self.timing, 0.0)
+        self.ready = sorted(self.ready + self.waiting)
+        self.waiting = []
+
+    def collect(self) -> list[Episode]:
+        """The episodes of every group that ended whole, in admission order, `group_id` their group's rank among
+        them; their slots are freed."""
+        episodes = []
+        for number in sorted(self.groups):
+            if self.group_ended(number):
+                for slot in self.groups.pop(number):
+                    episode = self.episodes[slot]
+                    episode.group_id, episode.admission = len(episodes) // self.group_size, number
+                    episodes.append(episode)
+                    self.episodes[slot] = None
+        return episodes
+
+    def group_ended(self, number: int) -> bool:
+        return all(self.episodes[slot] is not None and self.episodes[slot].done and slot not in self.responses
+                   for slot in self.groups[number])
+
+    def holds(self, i: int) -> bool:
+        """Whether episode `i`'s next turn waits for the next rollout: the rollout has closed, and its group may
+        be carried over the update."""
+        if not self.closed or self.draining:
+            return False
+        group = next(slots for slots in self.groups.values() if i in slots)
+        versions = [t.version for slot in group if self.episodes[slot] is not None for t in self.episodes[slot].turns]
+        versions += [response[-1] for slot, response in self.responses.items() if slot in group]
+        return not self.admission.must_finish(min(versions, default=None), self.version)
 
     def sampling(self, turn: int) -> Sampling:
         """How turn `turn` of every episode is decoded: its seed from the rollout's and the turn."""
         return sampling_from(self.ro, self.do_sample, seed=turn_seed(self.sample_seed, turn))
+
+    def request(self, i: int) -> tuple[Sampling, int]:
+        """How episode `i`'s next turn is decoded, and the row its request is seeded by (`request_seed`): the seed
+        of its group's rollout and its turn, as in the per-turn schedule."""
+        sample_seed, row = self.requests[i]
+        turn = len(self.episodes[i].turns)
+        return sampling_from(self.ro, self.do_sample, seed=turn_seed(sample_seed, turn)), row
 
     def finished(self) -> bool:
         """No episode generates again: none is ready, and no environment has an answer still to give."""
@@ -159,26 +262,36 @@ class Game:
                     self.step_answered(answer)
             if not (all_of_them and self.pool.busy()):
                 break
+        if self.admission is not None and not self.closed:
+            self.closed = sum(self.group_ended(number) for number in self.groups) >= self.admission.groups_per_rank
+            if self.closed:
+                held = [i for i in self.ready if self.holds(i)]
+                self.ready = [i for i in self.ready if i not in held]
+                self.waiting += held
         self.ready.sort()
 
     def reset_answered(self, answer) -> None:
         """A new episode, reset to its group's level seed; an environment that raised ends its own episode
         there (failed), not the rollout."""
         i, seed = answer.index, self.seeds[answer.index]
+        group_id = i // self.group_size  # in admission order while no group has been collected
         if answer.error is None:
             obs, info, system_prompt = answer.value
-            self.episodes[i] = Episode(self.env_cfg.name, seed, i // self.group_size, system_prompt,
+            self.episodes[i] = Episode(self.env_cfg.name, seed, group_id, system_prompt,
                                        initial_observation=obs, initial_state_key=info.get("state_key"))
             self.observations[i] = obs
             self.open(i)
         else:
-            self.episodes[i] = Episode(self.env_cfg.name, seed, i // self.group_size, "", done=True,
+            self.episodes[i] = Episode(self.env_cfg.name, seed, group_id, "", done=True,
                                        error=f"reset: {answer.error}")
 
     def open(self, i: int) -> None:
+        """Episode `i`'s next turn, ready (or waiting, `holds`); an episode that has no next turn has ended."""
         ep = self.episodes[i]
         if not ep.done and len(ep.turns) < self.max_turns and open_episode(self.encoder, ep, self.observations[i], self.ro):
-            self.ready.append(i)
+            (self.waiting if self.holds(i) else self.ready).append(i)
+        else:
+            ep.done = True
 
     def respond(self, i: int, new) -> None:
         """Close episode `i`'s turn with <|im_end|> and send its text to the environment."""
@@ -186,7 +299,7 @@ class Game:
         ids, text = self.encoder.finish_response(new.ids)
         start = len(ep.input_ids)
         ep.input_ids += ids
-        self.responses[i] = (new, ids, text, start)
+        self.responses[i] = (new, ids, text, start, self.version)
         self.timing["rollout/generated_tokens"] += len(ids)
         t0 = time.perf_counter()
         self.pool.step(i, text)  # in this process (env.workers=0) the step runs here
@@ -197,7 +310,7 @@ class Game:
         failed."""
         i = answer.index
         ep = self.episodes[i]
-        new, ids, text, start = self.responses.pop(i)
+        new, ids, text, start, version = self.responses.pop(i)
         obs = self.observations[i]
         state_key = ep.turns[-1].info.get("state_key") if ep.turns else ep.initial_state_key
         if answer.error is None:
@@ -216,7 +329,8 @@ class Game:
             ep.segments[-1].response_ids = ids
             context = TurnContext(list(ep.input_ids), list(ep.pixel_values), list(ep.image_grid_thw))
         ep.turns.append(Turn(obs.text, obs.images, text, reward, info, (start, len(ep.input_ids)), len(ids),
-                             end_sampled=end_sampled, sampled_logprobs=logprobs, state_key=state_key, context=context))
+                             end_sampled=end_sampled, sampled_logprobs=logprobs, state_key=state_key, context=context,
+                             version=version))
         ep.success = bool(info.get("success", False))
         self.observations[i] = next_obs
         if terminated or truncated:
@@ -231,7 +345,7 @@ class Ended:
         self.episodes, self.progress, self.ended = episodes, progress, 0
 
     def count(self) -> None:
-        now = sum(ep.done for ep in self.episodes)
+        now = sum(ep is not None and ep.done for ep in self.episodes)
         if self.progress is not None and now > self.ended:
             self.progress.update(now - self.ended)
         self.ended = now

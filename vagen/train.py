@@ -45,7 +45,7 @@ def main(argv=None) -> int:
 
     from vagen import core
     from vagen.console import Progress
-    from vagen.rollout import close_envs, make_decoder, make_envs
+    from vagen.rollout import Rollouts, close_envs, make_decoder, make_envs
     from vagen.run import RunDir, reduce_metrics
     from vagen.state_reward import state_rewarder
 
@@ -62,7 +62,10 @@ def main(argv=None) -> int:
     generator = torch.Generator()
     # Environments live for the whole run (reset with new seeds each iteration): a MuJoCo renderer
     # costs ~0.1 s to create and holds a GL context. With env.workers > 0, the workers hold them.
-    envs = make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size)
+    # rollout.max_staleness = k: up to k + 1 shares of groups in flight, the carried ones and the new ones
+    envs = make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size
+                     * (cfg.rollout.max_staleness + 1))
+    source = Rollouts(models.encoder, cfg, envs, dist.rank, dist.world_size, start)  # groups in admission order
     progress = Progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
     bad_steps_in_a_row, return_code, batch = 0, 0, None
     if start == 0:  # eval.before_training: the starting checkpoint (a resumed run has evaluated it already)
@@ -76,7 +79,7 @@ def main(argv=None) -> int:
         # uninterrupted one would.
         torch.manual_seed((cfg.train.seed * 1_000_003 + it) * 1_009 + dist.rank)
         generator.manual_seed(cfg.train.seed * 1_000_003 + it)
-        batch, stats = rollouts(batch, cfg, it, dist, models, decoder, envs, rewarder)
+        batch, stats = rollouts(batch, cfg, it, dist, models, decoder, source, rewarder)
         played, samples = batch.played, batch.samples
         stats.update(train_on(samples, cfg, it, dist, models, generator, bad_steps_in_a_row))
         bad_steps_in_a_row = int(stats["update/bad_steps_in_a_row"])  # the same on every rank
@@ -236,19 +239,23 @@ def build_critic(cfg, policy_path):
     return critic
 
 
-def play(cfg, it: int, dist, models: Models, decoder, envs: list, rewarder):
-    """This rank's share of iteration `it`'s level seeds, played; the state reward applied (before any use
-    of the rewards) and the rollout's metrics. Returns the episodes with at least one turn."""
-    from vagen.episode import train_seeds
-    from vagen.rollout import graded_scores, rollout, rollout_metrics
+def play(cfg, it: int, dist, models: Models, decoder, source, rewarder):
+    """This rank's rollout before the update of iteration `it` (`vagen.rollout.Rollouts`: its share of the
+    iteration's level seeds, and with rollout.max_staleness > 0 the groups carried from earlier rollouts;
+    every group ends before a checkpoint), played; the state reward applied (before any use of the rewards)
+    and the rollout's metrics. Returns the episodes with at least one turn."""
+    import torch
 
-    per_rank = cfg.rollout.env_groups // dist.world_size
-    seeds = train_seeds(it, cfg.rollout.env_groups, cfg.train.seed)[dist.rank * per_rank : (dist.rank + 1) * per_rank]
+    from vagen.distributed import all_reduce
+    from vagen.rollout import graded_scores, rollout_metrics
+
     models.actor.module.eval()
-    episodes, stats = rollout(models.actor.module, models.encoder, cfg, seeds, cfg.rollout.group_size, envs=envs,
-                              decoder=decoder, sample_seed=(cfg.train.seed * 1_000_003 + it) * 1_009 + dist.rank)
+    episodes, stats = source.play(decoder, version=it, drain=saves_at(it, cfg))
+    # episodes left waiting for the next weights, over all ranks
+    stats["rollout/carried_episodes"] = float(all_reduce(torch.tensor([stats["rollout/carried_episodes"]]))[0])
     if rewarder is not None:
         stats.update(rewarder(episodes))
+    envs = source.envs
     stats.update(rollout_metrics(episodes, graded_scores(envs[0] if isinstance(envs, list) else envs.example())))
     for ep in episodes:  # an environment that raised ended only its own episode
         if ep.error is not None:
@@ -260,7 +267,7 @@ def play(cfg, it: int, dist, models: Models, decoder, envs: list, rewarder):
 def kept_samples(cfg, dist, models: Models, played: list):
     """StarPO-S over all ranks (`vagen.update.plan_groups`), then the kept groups' episodes as training
     samples (one per trajectory, or per turn with rollout.context=window), shared out so that ranks hold equal
-    numbers of groups. Only kept episodes are converted."""
+    numbers of groups. Only kept episodes are converted; they are returned too, as played here."""
     from vagen.trajectory import episode_samples
     from vagen.update import plan_groups, share_groups
 
@@ -271,7 +278,7 @@ def kept_samples(cfg, dist, models: Models, played: list):
     samples = share_groups(samples, plan, dist.rank, dist.world_size)
     stats = {f"rollout/filter_{k}": v for k, v in plan.stats.items()}
     stats["update/tokens"] = float(sum(s.length for s in samples))  # trajectory tokens this rank trains on
-    return samples, stats
+    return samples, stats, [ep for ep in played if plan.keeps(dist.rank, ep.group_id)]
 
 
 def indicators(samples: list, played: list) -> dict[str, float]:
@@ -288,28 +295,58 @@ def indicators(samples: list, played: list) -> dict[str, float]:
 @dataclass
 class Batch:
     """The rollouts an iteration trains on: this rank's played episodes, the kept samples (annotated, with
-    advantages) and the iteration that sampled them (`rollout.reuse_iterations` trains a batch again)."""
+    advantages), the iteration that sampled them (`rollout.reuse_iterations` trains a batch again) and the
+    token-weighted mean and largest age of its trained turns then (`staleness`)."""
     played: list
     samples: list
     sampled_at: int
+    staleness: tuple[float, float] = (0.0, 0.0)
 
 
-def rollouts(batch: Batch | None, cfg, it: int, dist, models: Models, decoder, envs: list, rewarder):
+def rollouts(batch: Batch | None, cfg, it: int, dist, models: Models, decoder, source, rewarder):
     """The batch iteration `it` trains on, and its metrics: fresh rollouts (played, filtered over all ranks,
     annotated by the sampling policy), or, for `rollout.reuse_iterations` iterations in all, the last batch
-    again with its old log-probs and advantages. `rollout/staleness`: iterations since it was sampled."""
+    again with its old log-probs and advantages. `rollout/staleness_mean` and `_max`: the updates since a
+    trained token was sampled (token-weighted), which grow by one with each reuse."""
     if batch is not None and it - batch.sampled_at < cfg.rollout.reuse_iterations:
         stats = {"update/tokens": float(sum(s.length for s in batch.samples))}
         rest(decoder)
     else:
-        played, stats = play(cfg, it, dist, models, decoder, envs, rewarder)  # this rank's share of the levels
-        samples, filter_stats = kept_samples(cfg, dist, models, played)  # StarPO-S over all ranks
+        played, stats = play(cfg, it, dist, models, decoder, source, rewarder)  # this rank's share of the levels
+        samples, filter_stats, kept = kept_samples(cfg, dist, models, played)  # StarPO-S over all ranks
         stats.update(filter_stats)
         rest(decoder)  # a vLLM engine on a GPU gives its memory to the update
         stats.update(prepare(samples, cfg, dist, models))
-        batch = Batch(played, samples, it)
-    stats["rollout/staleness"] = float(it - batch.sampled_at)
+        age = staleness(kept, it, dist)
+        stats["rollout/cross_version_episodes"] = age.pop("cross_version_episodes")
+        batch = Batch(played, samples, it, (age["mean"], age["max"]))
+    stats["rollout/staleness_mean"] = batch.staleness[0] + (it - batch.sampled_at)
+    stats["rollout/staleness_max"] = batch.staleness[1] + (it - batch.sampled_at)
     return batch, stats
+
+
+def staleness(episodes: list, version: int, dist) -> dict[str, float]:
+    """How many updates before the update of `version` the turns of `episodes` (this rank's trained ones) were
+    sampled, over every rank: the token-weighted mean, the largest, and the share of episodes whose turns
+    come from more than one version (rollout.max_staleness > 0)."""
+    import torch
+
+    from vagen.distributed import all_reduce
+    from vagen.staleness import token_staleness
+
+    total, tokens, oldest = token_staleness([(t.response_length, t.version) for ep in episodes for t in ep.turns],
+                                            version)
+    crossing = sum(len({t.version for t in ep.turns}) > 1 for ep in episodes)
+    sums = all_reduce(torch.tensor([total, tokens, crossing, len(episodes)], dtype=torch.float64), "sum").tolist()
+    most = float(all_reduce(torch.tensor([oldest], dtype=torch.float64), "max")[0])
+    return {"mean": sums[0] / max(sums[1], 1.0), "max": most, "cross_version_episodes": sums[2] / max(sums[3], 1.0)}
+
+
+def saves_at(it: int, cfg) -> bool:
+    """Whether iteration `it` ends with a checkpoint (`vagen.run.RunDir.maybe_save`, unless forced by failing
+    steps): its rollout then ends every group it started, so that the checkpoint holds no carried episode."""
+    every = cfg.train.save_every
+    return it + 1 == cfg.train.iterations or (every > 0 and (it + 1) % every == 0)
 
 
 def prepare(samples: list, cfg, dist, models: Models) -> dict:
