@@ -88,6 +88,17 @@ class EnvConfig:
     workers: int = _f(0, "processes that hold the environments (and their renderers) and step them while the "
                          "trainer decodes; a worker that dies or hangs fails only the step it ran and is replaced; "
                          "0 = step them in the trainer's process")
+    backend: str = _f("process", "what the env.workers are: process (local processes) | ray (Ray actors, on any node "
+                                 "of a Ray cluster; pip install -e \".[ray]\"); the same answers, timeouts and "
+                                 "replacement either way")
+    ray_address: str = _f("local", "env.backend=ray: local (a private Ray instance that each rank starts and stops "
+                                   "itself) | auto (the cluster `ray start` runs on this node) | the address of a "
+                                   "running cluster's head, HOST:6379")
+    ray_cpus: float = _f(1.0, "env.backend=ray: CPUs each actor reserves in Ray's accounting (fractions allowed)")
+    ray_resources: dict = _f({}, "env.backend=ray: custom Ray resources each actor asks for, e.g. {env_host: 1}, "
+                                 "so that actors run only on nodes started with ray start --resources")
+    ray_start_timeout: float = _f(60.0, "env.backend=ray: seconds the actors may take to be placed and started "
+                                        "before the run fails naming the resources it could not get")
 
 
 @dataclass
@@ -539,6 +550,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"env.step_timeout={cfg.env.step_timeout} must be > 0 seconds, or null for no limit")
     if cfg.env.workers < 0:
         raise ConfigError(f"env.workers={cfg.env.workers} must be >= 0 (0: environments step in the trainer's process)")
+    _check_env_backend(cfg.env)
     if tr.keep_checkpoints is not None and tr.keep_checkpoints < 1:
         raise ConfigError(f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1, or null to keep every checkpoint")
     if tr.dist_timeout_minutes < 1:
@@ -565,6 +577,35 @@ def validate(cfg: Config) -> None:
             "model.path=builtin:tiny-text cannot see images but env.render_mode=vision; use "
             "model.path=builtin:tiny-vl or env.render_mode=text"
         )
+
+
+def _check_env_backend(env: EnvConfig) -> None:
+    """env.backend and its Ray settings; Ray installed where env.backend=ray (looked up, not imported)."""
+    if env.backend not in ("process", "ray"):
+        raise ConfigError(f"env.backend={env.backend!r}{_closest(env.backend, ['process', 'ray'])} choices: process, ray")
+    if env.backend == "process":
+        return
+    if env.workers < 1:
+        raise ConfigError("env.backend=ray runs env.workers Ray actors, but env.workers=0 steps the environments in "
+                          "the trainer's process; set env.workers to the number of actors (e.g. env.workers=2)")
+    if not env.ray_cpus >= 0:
+        raise ConfigError(f"env.ray_cpus={env.ray_cpus} must be >= 0 (CPUs each environment actor reserves; 1 is usual)")
+    for name, amount in env.ray_resources.items():
+        if name in ("CPU", "GPU", "memory", "object_store_memory") or not isinstance(amount, (int, float)) \
+                or isinstance(amount, bool) or not amount > 0:
+            raise ConfigError(f"env.ray_resources={env.ray_resources}: each entry is a custom resource name and an "
+                              f"amount > 0 per actor, e.g. {{env_host: 1}} (CPUs go in env.ray_cpus); got "
+                              f"{name!r}: {amount!r}")
+    if not env.ray_start_timeout > 0:
+        raise ConfigError(f"env.ray_start_timeout={env.ray_start_timeout} must be > 0 seconds (60 is usual)")
+    if not isinstance(env.ray_address, str) or not env.ray_address:
+        raise ConfigError(f"env.ray_address={env.ray_address!r}: use local, auto, or a cluster's HOST:PORT")
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("env.backend=ray runs the environments as Ray actors, but Ray is not installed in this "
+                          "environment; pip install -e \".[ray]\" (on every node that runs environment actors "
+                          "too), or set env.backend=process")
 
 
 def _check_staleness(cfg: Config) -> None:

@@ -1,5 +1,6 @@
 """Where a rollout's environments step: in the trainer's process (`env.workers=0`), or in worker processes
-(`env.workers=N`), each owning its share of the environments and their renderers.
+(`env.workers=N`), each owning its share of the environments and their renderers. Ray actors in place of
+the processes (`env.backend=ray`, `vagen.env_ray`) follow the same protocol, which `EnvWorkers` holds.
 
 Both sides take the same requests (`reset(index, seed)`, `step(index, text)`) and hand back `Answer`s. In
 the trainer's process a request runs at once, in the order it was made. In workers it runs while the
@@ -15,7 +16,9 @@ Failures end one episode, never the rollout:
 - a worker that dies (killed, `os._exit`, a crash in a renderer) fails the request it was running. A new
   worker takes its place and rebuilds its other environments by replaying each one's reset and steps
   (the environments are deterministic given the seed and the responses), then runs the requests that
-  were waiting, so their episodes go on as if nothing happened.
+  were waiting, so their episodes go on as if nothing happened. A worker ended from outside (a Ray actor
+  killed by an operator, or whose node died) fails no request: the one it ran runs again in the new one.
+Each replacement is logged on stderr.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ import envs_visual
 # Seconds a worker may overrun `env.step_timeout` (its own alarm had the chance to stop the call) before
 # it is killed and replaced.
 WORKER_GRACE = 2.0
+# Seconds more a new worker has for its first answer: it starts Python and imports vagen and the environment
+# first (a second on an idle machine, several on a loaded one).
+WORKER_START = 30.0
 
 
 def build_env(cfg_env, seed_env_params: dict | None = None):
@@ -156,23 +162,51 @@ class InProcessEnvs:
                 env.close()
 
 
+class WorkerLost(Exception):
+    """A worker ended while requests were waiting on it; `how` says how it ended (`exit code 3`). `blame`:
+    whether the request it was running may have ended it (a crash in an environment), so that it fails;
+    False where the worker was ended from outside (its node died, an operator killed it), so that it runs
+    again in the new worker."""
+
+    def __init__(self, how: str, blame: bool = True):
+        super().__init__(how)
+        self.how, self.blame = how, blame
+
+
 class EnvWorkers:
     """`env.workers=N`: `count` environments made by `factory` (a picklable callable; `EnvFactory` for a
     config) in `workers` processes, environment `index` in worker `index % workers`. Lives as long as the
-    run; `close()` ends the processes."""
+    run; `close()` ends the processes.
+
+    What a worker is, how requests reach it and how its answers are waited for is the transport (`_start`,
+    `_arrived`, and the worker's `post`, `receive`, `stop`); `vagen.env_ray.RayEnvWorkers` puts Ray actors
+    there. The protocol above it (order, deadlines, replacement and replay) is this class's, for both."""
+
+    what = "worker process"  # names the worker in failures
 
     def __init__(self, factory, count: int, workers: int, step_timeout: float | None):
         if workers < 1:
             raise ValueError(f"env.workers={workers}: EnvWorkers needs at least one process; env.workers=0 steps "
                              f"the environments in the trainer's process (InProcessEnvs)")
         self.factory, self.count, self.step_timeout = factory, count, step_timeout
-        self.workers = [_Worker(factory, step_timeout) for _ in range(min(workers, max(count, 1)))]
         # To rebuild an environment in a new worker: its reset seed and the texts of its answered steps.
         self.history: dict[int, tuple[int, list[str]]] = {}
         self.broken: dict[int, str] = {}  # environments lost with a worker while being rebuilt
         self.ready: deque[Answer] = deque()
         self.example_env = None
         self.replaced = 0  # workers that died or hung and were replaced
+        self.workers: list[_Worker] = []
+        self.workers = [self._start(slot) for slot in range(min(workers, max(count, 1)))]
+
+    def _start(self, slot: int) -> _Worker:
+        """A new worker for slot `slot` (`index % workers`), first or replacing one."""
+        return _ProcessWorker(self.factory, self.step_timeout)
+
+    def _arrived(self, waiting: list[_Worker], timeout: float | None) -> list[_Worker]:
+        """The workers of `waiting` that have an answer to receive, waiting up to `timeout` s (None: until
+        one has)."""
+        ready = wait([worker.answers for worker in waiting], timeout)
+        return [worker for worker in waiting if worker.answers in ready]
 
     def __len__(self) -> int:
         return self.count
@@ -211,13 +245,16 @@ class EnvWorkers:
             if block:
                 deadlines = [worker.deadline() for worker in waiting]
                 timeout = None if None in deadlines else max(0.0, min(deadlines) - time.monotonic())
-            ready = wait([worker.answers for worker in waiting], timeout)
+            ready = self._arrived(waiting, timeout)
             for worker in waiting:
-                if worker.answers in ready:
+                if worker in ready:
                     self._receive(worker)
                 elif worker.deadline() is not None and time.monotonic() > worker.deadline():
+                    if self._arrived([worker], 0.0):  # it answered while another worker was being replaced
+                        self._receive(worker)
+                        continue
                     self._replace(worker, f"EnvTimeout: no answer within env.step_timeout={self.step_timeout} s "
-                                          f"(its worker process did not return to Python within {WORKER_GRACE} s "
+                                          f"(its {self.what} did not return to Python within {WORKER_GRACE} s "
                                           f"more, and was replaced)")
             if not block:
                 break
@@ -227,15 +264,16 @@ class EnvWorkers:
 
     def _receive(self, worker: _Worker) -> None:
         try:
-            index, kind, value, error = worker.answers.recv()
-        except (EOFError, OSError):
-            code = worker.process.wait()
-            how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            self._replace(worker, f"EnvWorkerDied: the worker process holding this environment ended ({how}) while "
-                                  f"it stepped; a new one took its place")
+            index, kind, value, error = worker.receive()
+        except WorkerLost as lost:
+            if lost.blame:
+                self._replace(worker, f"EnvWorkerDied: the {self.what} holding this environment ended ({lost.how}) "
+                                      f"while it stepped; a new one took its place")
+            else:
+                self._replace(worker, f"ended from outside ({lost.how})", blame=False)
             return
         request = worker.pending.popleft()
-        worker.started = time.monotonic()
+        worker.started, worker.answered = time.monotonic(), True
         assert request[:2] == (index, kind), f"{request[:2]=} {(index, kind)=}"
         if kind == "rebuild":
             if error is not None:
@@ -245,29 +283,41 @@ class EnvWorkers:
             self.history[index][1].append(request[2])
         self.ready.append(Answer(index, kind, value, error))
 
-    def _replace(self, worker: _Worker, error: str) -> None:
-        """Fail the request `worker` was running with `error`, start a new process in its place, rebuild
-        its other environments there and send it the requests that were waiting."""
+    def _replace(self, worker: _Worker, error: str, blame: bool = True) -> None:
+        """Fail the request `worker` was running with `error`, start a new worker in its place, rebuild
+        its other environments there and send it the requests that were waiting. Without `blame` (the
+        worker was ended from outside) the request it was running fails not: its environment is rebuilt
+        too and the request sent again."""
         worker.stop()
         self.replaced += 1
         culprit, *waiting = worker.pending
         index, kind = culprit[:2]
-        if kind == "rebuild":
+        if not blame:
+            index, waiting = None, [culprit, *waiting]
+        elif kind == "rebuild":
             self.broken[index] = f"rebuild after a worker was replaced: {error}"
         else:
             self.ready.append(Answer(index, kind, error=error))
         # An environment whose reset is still waiting starts over anyway.
         resetting = {request[0] for request in waiting if request[1] == "reset"}
-        fresh = _Worker(self.factory, self.step_timeout)
-        self.workers[self.workers.index(worker)] = fresh
+        slot = self.workers.index(worker)
+        fresh = self._start(slot)
+        self.workers[slot] = fresh
+        rebuilt = []
         for other, (seed, texts) in self.history.items():
             if other != index and self.owner(other) is fresh and other not in self.broken and other not in resetting:
                 fresh.send((other, "rebuild", (seed, list(texts))))
+                rebuilt.append(other)
         for request in waiting:
+            if request[1] == "rebuild":  # sent again above, from the same history
+                continue
             if request[0] != index:
                 fresh.send(request)
-            elif request[1] != "rebuild":  # the environment whose rebuild failed: its next request fails
+            else:  # the environment whose rebuild failed: its next request fails
                 self.ready.append(Answer(index, request[1], error=self.broken.pop(index, error)))
+        request = f"environment {culprit[0]}'s {culprit[1]} " + ("failed" if blame else "runs again")
+        print(f"env workers: {self.what} {slot} replaced, {request} ({error}); environments {rebuilt} rebuilt by "
+              f"replay", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         for worker in self.workers:
@@ -277,11 +327,47 @@ class EnvWorkers:
 
 
 class _Worker:
-    """One worker process and its two pipes; `pending` the requests sent and not yet answered, in order."""
+    """One worker, as the protocol sees it: `pending` the requests sent and not yet answered, in order,
+    `started` when the one at the head began, `answered` whether it has answered (so has started) yet. A
+    transport adds `post` (deliver a request), `receive` (the next answer, as `(index, kind, value, error)`,
+    or `WorkerLost`) and `stop`."""
+
+    def __init__(self, step_timeout: float | None):
+        self.step_timeout = step_timeout
+        self.pending: deque[tuple] = deque()
+        self.started = time.monotonic()
+        self.answered = False  # until its first answer, a worker may still be starting
+
+    def send(self, request: tuple) -> None:
+        if not self.pending:
+            self.started = time.monotonic()
+        self.pending.append(request)
+        self.post(request)
+
+    def deadline(self) -> float | None:
+        """When the request at the head of the queue is overdue; None without a step timeout."""
+        if not self.step_timeout:
+            return None
+        steps = len(self.pending[0][2][1]) + 1 if self.pending[0][1] == "rebuild" else 1
+        return self.started + self.step_timeout * steps + WORKER_GRACE + (0.0 if self.answered else WORKER_START)
+
+    def post(self, request: tuple) -> None:
+        raise NotImplementedError
+
+    def receive(self) -> tuple:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class _ProcessWorker(_Worker):
+    """A worker process (`serve`) and its two pipes."""
 
     def __init__(self, factory, step_timeout: float | None):
         import pickle
 
+        super().__init__(step_timeout)
         to_child, from_parent = os.pipe()
         to_parent, from_child = os.pipe()
         env = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -294,25 +380,19 @@ class _Worker:
         self.requests = Connection(from_parent, readable=False)
         self.answers = Connection(to_parent, writable=False)
         self.requests.send_bytes(pickle.dumps((factory, step_timeout)))
-        self.step_timeout = step_timeout
-        self.pending: deque[tuple] = deque()
-        self.started = time.monotonic()
 
-    def send(self, request: tuple) -> None:
-        if not self.pending:
-            self.started = time.monotonic()
-        self.pending.append(request)
+    def post(self, request: tuple) -> None:
         try:
             self.requests.send(request)
         except OSError:  # the process is gone: `answers` finds out and replaces it
             pass
 
-    def deadline(self) -> float | None:
-        """When the request at the head of the queue is overdue; None without a step timeout."""
-        if not self.step_timeout:
-            return None
-        steps = len(self.pending[0][2][1]) + 1 if self.pending[0][1] == "rebuild" else 1
-        return self.started + self.step_timeout * steps + WORKER_GRACE
+    def receive(self) -> tuple:
+        try:
+            return self.answers.recv()
+        except (EOFError, OSError):
+            code = self.process.wait()
+            raise WorkerLost(f"signal {-code}" if code < 0 else f"exit code {code}") from None
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -320,6 +400,25 @@ class _Worker:
         self.process.wait()
         self.requests.close()
         self.answers.close()
+
+
+def handle(envs: dict, factory, step_timeout: float | None, index: int, kind: str, arg) -> tuple:
+    """A worker's answer to one request, `(index, kind, value, error)`: environment `index` of `envs` (made
+    by `factory` on first use) reset, stepped, or rebuilt by replaying a reset and steps (`arg` is then
+    `(seed, texts)`, and the answer carries only the error)."""
+    try:
+        env = envs[index] if index in envs else envs.setdefault(index, factory())
+    except Exception as err:
+        return index, kind, None, f"making the environment: {env_error_summary(err)}"
+    if kind == "rebuild":
+        seed, texts = arg
+        answer = run_request(env, "reset", seed, step_timeout)
+        for text in texts:
+            if answer.error is None:
+                answer = run_request(env, "step", text, step_timeout)
+        return index, kind, None, answer.error
+    answer = run_request(env, kind, arg, step_timeout)
+    return index, kind, answer.value, answer.error
 
 
 def serve(from_parent: int, to_parent: int) -> None:
@@ -334,18 +433,4 @@ def serve(from_parent: int, to_parent: int) -> None:
             index, kind, arg = requests.recv()
         except EOFError:
             return
-        try:
-            env = envs[index] if index in envs else envs.setdefault(index, factory())
-        except Exception as err:
-            answers.send((index, kind, None, f"making the environment: {env_error_summary(err)}"))
-            continue
-        if kind == "rebuild":
-            seed, texts = arg
-            answer = run_request(env, "reset", seed, step_timeout)
-            for text in texts:
-                if answer.error is None:
-                    answer = run_request(env, "step", text, step_timeout)
-            answers.send((index, kind, None, answer.error))
-            continue
-        answer = run_request(env, kind, arg, step_timeout)
-        answers.send((index, kind, answer.value, answer.error))
+        answers.send(handle(envs, factory, step_timeout, index, kind, arg))

@@ -26,9 +26,14 @@ def make_env(cfg_env, seed_env_params: dict | None = None):
     return build_env(cfg_env, seed_env_params)
 
 
-def make_envs(cfg_env, count: int):
+def make_envs(cfg_env, count: int, owner: str | None = None):
     """A run's `count` environments: built here (`env.workers=0`), or held by `env.workers` processes
-    (`EnvWorkers`), which live until `close_envs`."""
+    (`EnvWorkers`) or Ray actors (`env.backend=ray`, `vagen.env_ray.RayEnvWorkers`, whose namespace `owner`,
+    a run and rank, names), which live until `close_envs`."""
+    if cfg_env.workers > 0 and cfg_env.backend == "ray":
+        from vagen.env_ray import RayEnvWorkers  # Ray is an optional dependency
+
+        return RayEnvWorkers.from_config(cfg_env, EnvFactory(cfg_env), count, owner)
     if cfg_env.workers > 0:
         return EnvWorkers(EnvFactory(cfg_env), count, cfg_env.workers, cfg_env.step_timeout)
     return [make_env(cfg_env) for _ in range(count)]

@@ -61,10 +61,12 @@ def main(argv=None) -> int:
     decoder = make_decoder(cfg, models.actor.module, models.encoder)
     generator = torch.Generator()
     # Environments live for the whole run (reset with new seeds each iteration): a MuJoCo renderer
-    # costs ~0.1 s to create and holds a GL context. With env.workers > 0, the workers hold them.
+    # costs ~0.1 s to create and holds a GL context. With env.workers > 0, the workers hold them (Ray actors
+    # in a namespace of this run and rank with env.backend=ray).
     # rollout.max_staleness = k: up to k + 1 shares of groups in flight, the carried ones and the new ones
     envs = make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size
-                     * (cfg.rollout.max_staleness + 1))
+                     * (cfg.rollout.max_staleness + 1),
+                     owner=f"{run.path.name}-rank{dist.rank}")
     source = Rollouts(models.encoder, cfg, envs, dist.rank, dist.world_size, start)  # groups in admission order
     progress = Progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
     bad_steps_in_a_row, return_code, batch = 0, 0, None
