@@ -147,3 +147,98 @@ def test_k0_rollouts_play_the_synchronous_runs_groups_in_its_order(tiny_text):
         assert [(ep.seed, ep.group_id, ep.input_ids) for ep in episodes] == [
             (ep.seed, ep.group_id, ep.input_ids) for ep in today]
         assert {t.version for ep in episodes for t in ep.turns} == {version}
+
+
+def test_decoupled_ppo_on_a_hand_checked_case():
+    """Proximal (old) log-probs from the policy at the update, behaviour ones from the sampler, weights
+    min(p_prox / p_behav, C) with C = 2, the PPO ratio against the proximal policy."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from vagen import core
+    from vagen.update import rollout_correction
+
+    log = math.log
+    proximal = torch.tensor([[log(0.5), log(0.4), log(0.3)]])
+    behaviour = torch.tensor([[log(0.2), log(0.5), log(0.3)]])  # weights 2.5 -> 2 (clamped), 0.8, 1
+    current = torch.tensor([[log(0.6), log(0.2), log(0.3)]])  # ratios 1.2, 0.5, 1
+    advantages = torch.tensor([[1.0, -1.0, 0.5]])
+    mask = torch.ones(1, 3)
+    sample = SimpleNamespace(length=3, extra={})
+    algo = load_config("sokoban_text", ["rollout.backend=vllm", "algo.rollout_correction=tis"]).algo
+    metrics = rollout_correction([sample], {"sampled_mask": mask, "old_logprobs": proximal,
+                                            "rollout_logprobs": behaviour}, algo)
+    weights = sample.extra["tis_weights"][None]  # the sample's own [L], as a batch of one
+    assert torch.allclose(weights, torch.tensor([[2.0, 0.8, 1.0]]))
+    assert metrics["actor/tis_clamped_fraction"] == pytest.approx(1 / 3)
+    assert metrics["actor/tis_weight_mean"] == pytest.approx(3.8 / 3)
+    loss, _ = core.ppo_policy_loss(current, proximal, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0,
+                                   weights=weights)
+    # token 1: max(-1.2, -clip(1.2) = -1.2) x 2 = -2.4; token 2 (A < 0): max(0.5, 0.8) = 0.8, under the dual clip 3,
+    # x 0.8 = 0.64; token 3: -0.5 x 1; token-mean
+    assert float(loss) == pytest.approx((-2.4 + 0.64 - 0.5) / 3, abs=1e-6)
+
+
+class OwnLogprobs:
+    """A decoder that samples with the trained model (transformers) and reports, as its log-probabilities, the
+    trainer's own (`vagen.update.token_logprobs` over the episode with the new turn, as the update reads it)."""
+
+    def __init__(self, model, encoder, temperature):
+        from vagen.decoding_hf import HFDecoder
+
+        self.model, self.encoder, self.temperature = model, encoder, temperature
+        self.hf = HFDecoder(model, encoder, keep_cache=False)
+
+    def start_rollout(self):
+        self.hf.start_rollout()
+
+    def any_rank(self, flag):
+        return flag
+
+    def generate(self, episodes, rows, sampling):
+        import torch
+
+        from vagen.update import token_logprobs
+
+        out = self.hf.generate(episodes, rows, sampling)
+        for episode, new in zip(episodes, out):
+            ids, _ = self.encoder.finish_response(new.ids)
+            start, sequence = len(episode.input_ids), episode.input_ids + ids
+            loss_mask = torch.zeros(1, len(sequence))
+            loss_mask[0, start:] = 1
+            batch = {"input_ids": torch.tensor([sequence]), "attention_mask": torch.ones(1, len(sequence), dtype=torch.long),
+                     "position_ids": torch.arange(len(sequence))[None], "loss_mask": loss_mask}
+            with torch.no_grad():
+                logprobs, _ = token_logprobs(self.model, batch, self.temperature, with_entropy=False,
+                                             suppress_ids=self.encoder.suppress_ids)
+            new.logprobs = logprobs[0, start:].tolist()
+        return out
+
+
+def test_weights_are_exactly_one_when_the_sampler_computes_the_trainers_logprobs(tiny_text):
+    """k = 0: the proximal policy is the behaviour policy, so with a sampler whose log-probabilities are the
+    trainer's own, decoupled PPO's weights are 1 exactly, not approximately. One turn per episode and one
+    sequence per forward: the update then reads each sequence exactly as the sampler did (a later turn
+    lengthens it, which changes the rounding of the earlier turns' log-probabilities in the last bit)."""
+    import torch
+
+    from vagen.trajectory import episode_samples
+    from vagen.update import annotate, compute_advantages
+
+    _, model, tokenizer = tiny_text
+    encoder = ChatEncoder(tokenizer)
+    cfg = load_config("sokoban_text", ["rollout.max_turns=1", "rollout.max_new_tokens=12", "train.micro_batch_size=1",
+                                       "algo.adv_estimator=grpo", "rollout.backend=vllm", "algo.rollout_correction=tis"])
+    model.eval()
+    torch.manual_seed(0)
+    decoder = OwnLogprobs(model, encoder, cfg.rollout.temperature)
+    episodes, _ = rollout(model, encoder, cfg, [5, 6], 2, decoder=decoder)
+    samples = [s for i, ep in enumerate(episodes) for s in episode_samples(ep, encoder, model, i)]
+    annotate(samples, model, None, None, cfg, encoder.pad_id, torch.device("cpu"), suppress_ids=encoder.suppress_ids)
+    metrics = compute_advantages(samples, cfg)
+    sampled = torch.cat([s.sampled_mask for s in samples]) > 0
+    weights = torch.cat([s.extra["tis_weights"] for s in samples])[sampled]
+    assert weights.numel() > 8 and bool((weights == 1.0).all()), weights
+    assert metrics["rollout/inference_logprob_gap_max"] == 0.0 and metrics["actor/tis_clamped_fraction"] == 0.0

@@ -404,18 +404,26 @@ def rollout_correction(samples: list[Sample], batch: dict[str, torch.Tensor], al
     """The gap between the engine that sampled (vLLM) and the trainer over the sampled tokens, as
     `rollout/inference_logprob_gap` (mean |difference|) and `_max`; with `algo.rollout_correction=tis`
     each sample's `tis_weights`: min(p_trainer / p_engine, `algo.rollout_correction_cap`) per sampled
-    token, the truncated importance weight its policy loss is multiplied by. Old log-probs stay the
-    trainer's, as in verl."""
+    token, the truncated importance weight its policy loss is multiplied by, and `actor/tis_clamped_fraction`,
+    the share of sampled tokens whose weight the cap bound. Old log-probs stay the trainer's, as in verl.
+
+    This is AReaL's decoupled PPO objective, which `rollout.max_staleness` > 0 needs: the old log-probs are
+    computed at the update, by the policy being updated (the proximal policy: the PPO ratio and its clip are
+    taken against it), and the engine's are those of the policy that sampled each turn, possibly k updates
+    older (the behaviour policy), so the weight corrects for the staleness and for the engines' gap at
+    once. At k = 0, with an engine that computes the trainer's own log-probabilities, every weight is 1."""
     mask = batch["sampled_mask"] > 0
     diff = (batch["old_logprobs"] - batch["rollout_logprobs"])[mask]
     metrics = {"rollout/inference_logprob_gap": float(diff.abs().mean()) if diff.numel() else 0.0,
                "rollout/inference_logprob_gap_max": float(diff.abs().max()) if diff.numel() else 0.0}
     if algo.rollout_correction == "tis":
         weights = torch.exp((batch["old_logprobs"] - batch["rollout_logprobs"]).clamp(max=20.0))
+        clamped = (weights > algo.rollout_correction_cap) & mask
         weights = weights.clamp(max=algo.rollout_correction_cap) * mask
         for row, sample in enumerate(samples):
             sample.extra["tis_weights"] = weights[row, : sample.length]
         metrics["actor/tis_weight_mean"] = float(weights[mask].mean()) if mask.any() else 1.0
+        metrics["actor/tis_clamped_fraction"] = float(clamped.sum() / mask.sum()) if mask.any() else 0.0
     return metrics
 
 
