@@ -4,19 +4,24 @@
 #   bash scripts/gpu_wheels.sh [OUT]          # OUT defaults to ./gpu_wheels
 #
 # For a machine whose Python is 3.12 with torch 2.11 built for CUDA 13 (torch, torchvision and torchaudio are
-# there already). vLLM 0.26.0 is the release whose pins match that torch (torch==2.11.0, torchvision==0.26.0,
-# torchaudio==2.11.0) and whose kernels link CUDA 13 (libcudart.so.13, libnvrtc.so.13); later releases pin
-# torch 2.13 or 2.14. DeepSpeed is built here into a wheel (its ops are compiled on first use, as on the CPU).
+# there already). The versions are constraints/gpu-torch2.11.txt's: vLLM 0.26.0 is the release whose pins match
+# that torch (torch==2.11.0, torchvision==0.26.0, torchaudio==2.11.0) and whose kernels link CUDA 13
+# (libcudart.so.13, libnvrtc.so.13); later releases pin torch 2.13 or 2.14. transformers is carried at that
+# file's pin too, replacing the image's (5.24 and 5.25 fail vLLM 0.26's multimodal processing). DeepSpeed is
+# built here into a wheel (its ops are compiled on first use, as on the CPU).
 # Wheels larger than 60 MiB are split into parts (name.whl.part-aa, -ab, ...) so that each travels in a
 # call that carries at most 64 MiB; gpu_check.sh joins them.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/gpu_wheels}"
-VLLM=0.26.0
-DEEPSPEED=0.19.8
+CONSTRAINTS="$ROOT/constraints/gpu-torch2.11.txt"
+pin() { sed -n "s/^$1==\([^ ]*\).*/\1/p" "$CONSTRAINTS"; }
+VLLM=$(pin vllm)
+DEEPSPEED=$(pin deepspeed)
+TRANSFORMERS=$(pin transformers)
 mkdir -p "$OUT"
 # What the GPU machine's image holds already (torch's CUDA libraries among them): never downloaded again.
-PRESENT="torch torchvision torchaudio triton numpy pillow transformers tokenizers safetensors huggingface-hub
+PRESENT="torch torchvision torchaudio triton numpy pillow tokenizers safetensors huggingface-hub
   peft accelerate pyyaml regex requests tqdm psutil sentencepiece filelock typing-extensions protobuf aiohttp
   prometheus-client tiktoken einops cloudpickle ninja six setuptools opencv-python-headless numba llvmlite
   jinja2 markupsafe networkx sympy mpmath fsspec packaging pydantic pydantic-core annotated-types anyio h11
@@ -27,9 +32,9 @@ PLATFORM=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --pl
 
 echo "[gpu_wheels] vllm==$VLLM and its requirements for Python 3.12 (those the image holds left out)"
 REQS="$OUT/vllm-requirements.in"
-python3 - "$REQS" "$VLLM" $PRESENT <<'PYEOF'
+python3 - "$REQS" "$VLLM" "$TRANSFORMERS" $PRESENT <<'PYEOF'
 import json, subprocess, sys, tempfile
-out, version, present = sys.argv[1], sys.argv[2], {n.lower() for n in sys.argv[3:]}
+out, version, transformers, present = sys.argv[1], sys.argv[2], sys.argv[3], {n.lower() for n in sys.argv[4:]}
 with tempfile.TemporaryDirectory() as tmp:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--no-deps", "--ignore-installed",
                     "--report", f"{tmp}/r.json", f"vllm=={version}"], check=True)
@@ -45,7 +50,7 @@ for line in meta["requires_dist"]:
     if req.name.lower().replace("_", "-") in present:
         continue
     req.marker = None
-    kept.append(str(req))
+    kept.append(f"transformers=={transformers}" if req.name.lower() == "transformers" else str(req))
 open(out, "w").write("\n".join(kept) + "\n")
 print(f"[gpu_wheels] {len(kept)} requirements of vllm {version} to carry")
 PYEOF

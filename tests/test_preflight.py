@@ -240,3 +240,11 @@ def test_check_config_raises_every_failure_with_the_estimate():
     assert any("does not fit a GPU of 80 GiB with 3 rank(s)" in f for f in failures)
     assert (NO_VLLM in "\n".join(failures)) == (not VLLM_INSTALLED)
     assert any(line.startswith("  total") for line in info.value.lines)
+
+
+def test_the_readme_recipe_table_is_the_tools():
+    """README.md's recipe table, model states and the total with vLLM at 80 GiB, is what
+    scripts/recipe_table.py prints from the recipes as they are (python scripts/recipe_table.py --write)."""
+    done = subprocess.run([sys.executable, "scripts/recipe_table.py", "--check"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
