@@ -93,6 +93,10 @@ def test_each_sync_serves_a_new_adapter_and_refuses_a_larger_rank(bf16_engine):
     adapted = bench.with_adapters(model, path, 1e-3)
     decoder.sync_weights(adapted)
     first, first_dir = decoder.lora_request, decoder.adapter_dir
+    # only the adapters travel: the engine keeps the frozen base it loaded from the checkpoint
+    lora_bytes = sum(p.numel() * p.element_size() for name, p in adapted.named_parameters() if ".lora_" in name)
+    assert decoder.last_sync_bytes == lora_bytes, (decoder.last_sync_bytes, lora_bytes)
+    assert lora_bytes < 0.5 * sum(p.numel() * p.element_size() for p in model.parameters())
     with torch.no_grad():
         for name, param in adapted.named_parameters():
             if ".lora_B." in name:

@@ -183,3 +183,14 @@ def test_a_runs_engine_is_built_for_the_ranks_share_of_episodes(monkeypatch):
     with pytest.raises(StopIteration):
         Recording.from_config(cfg, encoder=object())
     assert built["episodes"] == 32 and built["trajectory_length"] == 2048
+
+
+def test_an_engine_that_serves_lora_adapters_keeps_its_base_weights_through_sleep(monkeypatch):
+    decoder, gpu, model = gpu_decoder(monkeypatch, free=10 * GIB, footprint=40 * GIB)
+    decoder.lora_rank = 8  # the frozen base is never synced again: copied to the host and back (level 1)
+    decoder.sleep()
+    assert decoder.llm.calls == [("sleep", 1)] and decoder.released_bytes == 40 * GIB
+    decoder.lora_rank = 0  # a full fine-tuning engine drops its weights (level 2): the sync overwrites them
+    decoder.sync_weights(model)
+    decoder.sleep()
+    assert decoder.llm.calls[-1] == ("sleep", 2)

@@ -398,36 +398,48 @@ class VLLMDecoder:
         the engine through vLLM's in-place reload, `vllm.sync_group_mb` of them at a time; under ZeRO-3
         each group is gathered from the ranks (a collective: every rank calls this together), never the
         whole model at once. A group holds whole layers: vLLM fuses a layer's projections (q, k and v
-        into one matrix), and processes a layer once all its tensors have arrived. Returns the seconds
-        it took."""
+        into one matrix), and processes a layer once all its tensors have arrived. A LoRA policy given to an
+        engine that serves adapters (built with `lora_rank`) sends only what trains: its adapters, and the
+        modules peft trains whole (`modules_to_save`); the engine keeps the frozen base weights it loaded
+        from the base checkpoint (a LoRA run's base never changes). Returns the seconds it took;
+        `last_sync_bytes` holds the bytes of the tensors it sent."""
         start = time.perf_counter()
         module = unwrap(model)
         adapted = lora_layers(module)
-        # Served adapters (an engine built with `lora_rank`): the base weights go unmerged, the adapters into
-        # `adapters` as they are gathered. Without `lora_rank`, merged (`engine_weights`).
+        # Served adapters (an engine built with `lora_rank`): the adapters into `adapters`, the base left as the
+        # engine holds it. Without `lora_rank`, the whole policy, merged (`engine_weights`).
         adapters = {} if adapted and self.lora_rank > 0 else None
         rank = max((layer.r[a] for layer in adapted.values() for a in layer.lora_A), default=0)
         if adapters is not None and rank > self.lora_rank:
             raise ValueError(f"the policy's LoRA rank {rank} exceeds the rank {self.lora_rank} the vLLM engine was "
                              f"built for; build it with VLLMDecoder(..., lora_rank={rank}) or VLLMDecoder.from_config")
         self._wake(["weights"])  # the weights' memory back first; the KV cache only once the new weights are in
-        groups = list(weight_groups(without_wrapper(module), float(self.settings["sync_group_mb"]) * 2**20))
-        if self.in_process:
-            # One reload over a generator: the engine pulls each group while it is gathered.
-            weights = _gathered_weights(groups, adapted, adapters)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        limit = float(self.settings["sync_group_mb"]) * 2**20
+        sent = [0]
+        if adapters is None:
+            groups = list(weight_groups(without_wrapper(module), limit))
         else:
+            groups = list(weight_groups(without_wrapper(module), limit, only=trained_whole))
+            _gather_adapters(adapted, adapters)
+            sent[0] += sum(tensor.numel() * tensor.element_size() for tensor in adapters.values())
+        if groups and self.in_process:
+            # One reload over a generator: the engine pulls each group while it is gathered.
+            weights = _counted(_gathered_weights(groups, adapted, adapters), sent)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        elif groups:
             # Worker processes get each group serialised (vLLM's own messages carry no nested tensors);
             # layers outside a group keep their weights.
             for group in groups:
                 with gathered(_group_parameters(group, adapted)):
                     buffer = io.BytesIO()
-                    torch.save([(name, tensor.cpu()) for name, tensor in engine_weights(group, adapted, adapters)],
-                               buffer)
+                    pairs = list(_counted(engine_weights(group, adapted, adapters), sent))
+                    torch.save([(name, tensor.cpu()) for name, tensor in pairs], buffer)
                 self.llm.collective_rpc(_reload_serialized, args=(buffer.getvalue(),))
+        self.last_sync_bytes = sent[0]
         if adapters is not None or self.lora_request is not None:  # a policy without adapters drops the last
             self._serve_adapters(adapters, module)
-        self.llm.apply_model(compat.repack_tied_heads)
+        if groups:
+            self.llm.apply_model(compat.repack_tied_heads)
         self._wake(["kv_cache"])
         self.llm.reset_prefix_cache()  # keys and values of the old weights
         self.llm.llm_engine.reset_encoder_cache()  # image embeddings of the old weights
@@ -456,14 +468,21 @@ class VLLMDecoder:
         self.lora_request, self.adapter_dir = request, folder
 
     def sleep(self) -> None:
-        """Release the engine's GPU memory while the update runs: the KV cache and the weights dropped (sleep
-        level 2: nothing is copied to the host, `sync_weights` loads the updated weights anyway; vLLM keeps
-        the model's buffers). Records how much was released, which waking needs back."""
+        """Release the engine's GPU memory while the update runs: the KV cache dropped, and the weights dropped
+        (sleep level 2: nothing is copied to the host, `sync_weights` loads the updated weights anyway; vLLM
+        keeps the model's buffers) or, in an engine that serves LoRA adapters, copied to the host and back
+        (level 1: the frozen base is never synced again). Records how much was released, which waking needs
+        back."""
         if self.on_gpu and self.settings["sleep_mode"] and not self.sleeping:
             free = free_gpu_bytes()
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=self.sleep_level)
             self.released_bytes = max(0, free_gpu_bytes() - free)
             self.sleeping = {"weights", "kv_cache"}
+
+    @property
+    def sleep_level(self) -> int:
+        """vLLM's sleep level (see `sleep`)."""
+        return 1 if self.lora_rank > 0 else 2
 
     @property
     def asleep(self) -> bool:
@@ -567,11 +586,19 @@ def check_wake_memory(needed: int, free: int, total: int, utilization: float) ->
         f"model.gradient_checkpointing=true")
 
 
-def weight_groups(module, limit_bytes: float):
+def trained_whole(name: str) -> bool:
+    """Whether the parameter `name` of a peft model belongs to a module it trains whole (`modules_to_save`)."""
+    return "modules_to_save" in name.split(".")
+
+
+def weight_groups(module, limit_bytes: float, only=None):
     """`module`'s (name, parameter) pairs in groups of about `limit_bytes` (full sizes), each made of
-    whole blocks: the tensors of one numbered layer (`...layers.3.`, `...blocks.1.`) never straddle two."""
+    whole blocks: the tensors of one numbered layer (`...layers.3.`, `...blocks.1.`) never straddle two.
+    `only`: a predicate on names; the parameters it refuses are left out."""
     group, size, block = [], 0, None
     for name, param in module.named_parameters():
+        if only is not None and not only(name):
+            continue
         parts = name.split(".")
         here = next((".".join(parts[: k + 1]) for k, part in enumerate(parts) if part.isdigit()), name)
         if group and here != block and size >= limit_bytes:
@@ -634,6 +661,23 @@ def _group_parameters(group, adapted: dict) -> list:
                     for param in (*layer.lora_A[adapter].parameters(), *layer.lora_B[adapter].parameters()):
                         params[id(param)] = param
     return list(params.values())
+
+
+def _gather_adapters(adapted: dict, adapters: dict) -> None:
+    """The active adapter of every LoRA layer of `adapted` (`lora_layers`) into `adapters` (`adapter_tensors`),
+    each layer's adapter gathered (ZeRO-3) while it is copied."""
+    for name, layer in adapted.items():
+        params = [param for adapter in layer.active_adapters if adapter in layer.lora_A
+                  for param in (*layer.lora_A[adapter].parameters(), *layer.lora_B[adapter].parameters())]
+        with gathered(params):
+            adapters.update(adapter_tensors(name, layer))
+
+
+def _counted(pairs, sent: list):
+    """`pairs` ((name, tensor)) as they are, their bytes added to `sent[0]`."""
+    for name, tensor in pairs:
+        sent[0] += tensor.numel() * tensor.element_size()
+        yield name, tensor
 
 
 def _gathered_weights(groups, adapted: dict, adapters: dict | None = None):
