@@ -5,8 +5,9 @@ scripts/vllm_env.sh builds), marked `vllm`:
 
 The engine's log-probability of every sampled token equals the trainer's, before and after a weight sync. Qwen3-VL
 runs in float32. vLLM's CPU kernel of Qwen3.5's linear-attention layers takes bfloat16 only (and a head size of
-128, which the built-in has), so Qwen3.5 is held to the bfloat16 gap of the Qwen2.5-VL built-in measured the same
-way, in the same test."""
+128, which the built-in has), so Qwen3.5 is held to what bfloat16 can represent: each token's gap within
+`BF16_STEPS` steps of bfloat16 at the largest logit of the row it was drawn from (`bf16_steps`), a bound that
+does not depend on the processor's bfloat16 kernels."""
 
 from __future__ import annotations
 
@@ -14,24 +15,46 @@ import copy
 
 import pytest
 import torch
-from test_vllm import require_vllm, sampled_gaps, standard_copy
+from test_vllm import require_vllm, sampled_gaps
 
 from vagen.config import load_config
 from vagen.decoding_vllm import VLLMDecoder
 from vagen.episode import ChatEncoder
 from vagen.models import load_policy, resolve_model_path
 from vagen.rollout import rollout
-from vagen.trajectory import collate, episode_to_sample
+from vagen.trajectory import collate, episode_to_sample, model_inputs
 from vagen.update import token_logprobs
 
 pytestmark = pytest.mark.vllm
 
 TOLERANCE = 1e-4  # float32 on both sides
+# Both sides' logits are bfloat16 numbers (8 significant bits): rounding them alone may move a token's logit and
+# the row's log-sum-exp by half a step each at the row's largest logit, on each side, so two bfloat16 computations
+# of one policy may differ by 2 steps in a log-probability from that rounding, and by about as much again from
+# the roundings of the hidden states before it. Measured on an Intel Xeon with AMX-BF16 and AVX512-BF16, over
+# 48 tokens: 0.37 steps before a sync and 1.05 after it (Qwen2.5-VL's built-in in bfloat16: 0.32 before); the
+# synced engine against the model before the step: 267 steps.
+BF16_STEPS = 4
 
 
-def _gaps_before_and_after_a_sync(path, dtype: str) -> tuple[list[float], list[float], list[float]]:
+@torch.no_grad()
+def bf16_steps(model, encoder: ChatEncoder, episodes) -> torch.Tensor:
+    """For each sampled token of `episodes` (in `sampled_gaps`' order), the spacing of bfloat16 numbers at the
+    largest |logit| of the row the token was drawn from, under `model`: 2^(floor(log2 max|z|) - 7)."""
+    steps = []
+    for episode in episodes:
+        batch = collate([episode_to_sample(episode, encoder, model)], encoder.pad_id)
+        largest = model(**model_inputs(batch)).logits[0].float().abs().amax(-1)  # [L]: row t predicts token t + 1
+        for turn in episode.turns:
+            start = turn.span[0]
+            steps.append(largest[start - 1 : start - 1 + len(turn.sampled_logprobs)])
+    return torch.exp2(torch.floor(torch.log2(torch.cat(steps))) - 7)
+
+
+def _gaps_before_and_after_a_sync(path, dtype: str, with_steps: bool = False):
     """|engine - trainer| of every sampled token of two 2-turn episodes; the same after one AdamW step of the
-    trainer's model synced into the engine; and the synced engine's tokens against the model before the step."""
+    trainer's model synced into the engine; and the synced engine's tokens against the model before the step.
+    `with_steps`: each as a tensor divided by `bf16_steps` of the trainer's model that sampled it."""
     model, processor = load_policy(path, dtype)
     model.eval()
     encoder = ChatEncoder(processor)
@@ -49,8 +72,12 @@ def _gaps_before_and_after_a_sync(path, dtype: str) -> tuple[list[float], list[f
         updated.eval()
         decoder.sync_weights(updated)
         after, _ = rollout(updated, encoder, cfg, **played)
-        return (sampled_gaps(model, encoder, before, 1.0), sampled_gaps(updated, encoder, after, 1.0),
+        gaps = (sampled_gaps(model, encoder, before, 1.0), sampled_gaps(updated, encoder, after, 1.0),
                 sampled_gaps(model, encoder, after, 1.0))
+        if not with_steps:
+            return gaps
+        steps = (bf16_steps(model, encoder, before), bf16_steps(updated, encoder, after), bf16_steps(model, encoder, after))
+        return tuple(torch.tensor(gap) / step for gap, step in zip(gaps, steps))
     finally:
         decoder.close()
 
@@ -65,17 +92,14 @@ def test_qwen3_vl_samples_the_trainers_policy_before_and_after_a_sync(model_cach
     print(f"Qwen3-VL float32: max gap {max(before):.1e} before, {max(after):.1e} after a sync")
 
 
-def test_qwen3_5_samples_the_trainers_policy_in_bfloat16_within_qwen2_5_vls_gap(model_cache, tmp_path):
+def test_qwen3_5_samples_the_trainers_policy_within_what_bfloat16_represents(model_cache):
     require_vllm()
     path = resolve_model_path("builtin:tiny-qwen3.5", model_cache)
     with pytest.raises(ValueError, match="Qwen3.5 on the CPU in bfloat16 only .* set model.dtype=bfloat16"):
         VLLMDecoder(path, ChatEncoder(load_policy(path)[1]), dtype="float32")
-    reference = standard_copy(resolve_model_path("builtin:tiny-vl", model_cache), tmp_path / "tiny-vl")
-    qwen2_5_vl = [max(gaps) for gaps in _gaps_before_and_after_a_sync(reference, "bfloat16")[:2]]
-    before, after, to_old = _gaps_before_and_after_a_sync(path, "bfloat16")
-    print(f"bfloat16 max gaps before / after a sync: Qwen2.5-VL {qwen2_5_vl[0]:.1e} / {qwen2_5_vl[1]:.1e}; Qwen3.5 "
-          f"{max(before):.1e} / {max(after):.1e}, {max(to_old):.1e} to the model before the step")
-    # bfloat16 rounds both sides' logits to 8 bits of mantissa: the largest gaps over a few dozen tokens vary by
-    # tens of percent between models and episodes (measured before a sync: 3.9e-3 Qwen2.5-VL, 4.8e-3 Qwen3.5)
-    assert max(before) < 2 * qwen2_5_vl[0] and max(after) < 2 * qwen2_5_vl[1], (qwen2_5_vl, max(before), max(after))
-    assert max(to_old) > 10 * max(qwen2_5_vl), f"the step moved the log-probs by only {max(to_old):.2e}"
+    before, after, to_old = _gaps_before_and_after_a_sync(path, "bfloat16", with_steps=True)
+    print(f"Qwen3.5 bfloat16: largest gap {before.max():.2f} bfloat16 steps before a sync, {after.max():.2f} after; "
+          f"{to_old.max():.1f} to the model before the step")
+    assert len(before) >= 12 and before.max() < BF16_STEPS, f"{before.max():.2f} bfloat16 steps (bound {BF16_STEPS})"
+    assert after.max() < BF16_STEPS, f"after the sync: {after.max():.2f} bfloat16 steps (bound {BF16_STEPS})"
+    assert to_old.max() > 5 * BF16_STEPS, f"the step moved the log-probs by only {to_old.max():.2f} bfloat16 steps"
