@@ -90,7 +90,7 @@ def test_pips_resolver_installs_each_set_from_the_registry(path, tmp_path):
     """`pip install --dry-run` of pyproject's requirements with the lora and vllm extras under the constraints
     file, from PyPI alone (this machine's pip configuration left out), for this Python on this platform (Linux
     x86-64: vLLM's wheels are abi3, DeepSpeed is a source distribution): every pin is what pip would install
-    (about 2 minutes each)."""
+    (5 to 6 minutes each, measured on 2 busy cores)."""
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {"PIP_CONFIG_FILE": os.devnull}
     command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",

@@ -248,3 +248,19 @@ def test_the_readme_recipe_table_is_the_tools():
     done = subprocess.run([sys.executable, "scripts/recipe_table.py", "--check"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_gpu_size_defaults_to_the_visible_gpus(tmp_path):
+    """Without --gpu-gib the check asks nvidia-smi (a stand-in on PATH here: GPUs of 81,559 and 40,960 MiB)
+    for the smallest GPU CUDA_VISIBLE_DEVICES leaves visible."""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho '0, GPU-1111aaaa, 81559'\necho '1, GPU-2222bbbb, 40960'\n")
+    smi.chmod(0o755)
+    env = _fake_vllm(tmp_path) | {"PATH": f"{smi.parent}{os.pathsep}{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "0"}
+    done = _config_cli("sokoban_visual", "--config", "recipes/qwen2.5-vl-7b", "--ranks", "8", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "  GPU total  72.4 GiB of 79.6 GiB: fits" in done.stdout.splitlines()  # 81,559 MiB; vLLM 0.4 of it
+    done = _config_cli("sokoban_visual", "--config", "recipes/qwen2.5-vl-7b", "--ranks", "8",
+                       env=env | {"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert done.returncode == 2 and "does not fit a GPU of 40 GiB with 8 rank(s)" in done.stderr

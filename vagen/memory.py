@@ -363,16 +363,17 @@ def estimate(cfg, ranks: int, deepspeed: dict, gpu_gib: float | None = None) -> 
         lines.append(f"  not counted without a GPU size (--gpu-gib G): {vllm}, and a margin of {MARGIN_GIB:.0f} GiB "
                      f"for the CUDA context, the allocator and one micro-batch's activations")
         return Estimate(lines, result)
+    size = f"{gpu_gib:.0f}" if gpu_gib == round(gpu_gib) else f"{gpu_gib:.1f}"  # 80, or 79.6 read from a GPU
     vllm = cfg.vllm.gpu_memory_utilization * gpu_gib if cfg.rollout.backend == "vllm" else 0.0
     gpu_total = result + vllm + buckets + MARGIN_GIB
     lines.append(f"  buckets    {buckets:6.1f} GiB of DeepSpeed's communication buffers ({how})")
     if cfg.rollout.backend == "vllm":
         lines.append(f"  vLLM       {vllm:6.1f} GiB (vllm.gpu_memory_utilization={cfg.vllm.gpu_memory_utilization} "
-                     f"of {gpu_gib:.0f} GiB)")
+                     f"of {size} GiB)")
     else:
         lines.append("  rollout    the hf rollout's key/value cache: not counted")
     lines.append(f"  margin     {MARGIN_GIB:6.1f} GiB (CUDA context, allocator, one micro-batch's activations)")
-    lines.append(f"  GPU total  {gpu_total:.1f} GiB of {gpu_gib:.0f} GiB: {'fits' if gpu_total <= gpu_gib else 'does not fit'}")
+    lines.append(f"  GPU total  {gpu_total:.1f} GiB of {size} GiB: {'fits' if gpu_total <= gpu_gib else 'does not fit'}")
     problem = None
     if gpu_total > gpu_gib:
         over = gpu_total - gpu_gib
@@ -393,5 +394,5 @@ def estimate(cfg, ranks: int, deepspeed: dict, gpu_gib: float | None = None) -> 
             fixes.append("LoRA (model.lora_rank > 0; the -lora recipes), which trains a fraction of the parameters")
         problem = (f"the estimate of {gpu_total:.1f} GiB per GPU ({result:.1f} GiB of model states, {vllm:.1f} GiB of "
                    f"vLLM, {buckets:.1f} GiB of DeepSpeed buckets, a {MARGIN_GIB:.0f} GiB margin) does not fit a GPU "
-                   f"of {gpu_gib:.0f} GiB with {ranks} rank(s), by {over:.1f} GiB; use " + "; or ".join(fixes))
+                   f"of {size} GiB with {ranks} rank(s), by {over:.1f} GiB; use " + "; or ".join(fixes))
     return Estimate(lines, result, gpu_total, problem)
