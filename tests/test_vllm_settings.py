@@ -85,6 +85,7 @@ def gpu_decoder(monkeypatch, free: int, footprint: int):
     decoder.settings = {**dv.DEFAULT_SETTINGS}
     decoder.on_gpu, decoder.sleeping, decoder.in_process, decoder.released_bytes = True, set(), True, 0
     decoder.lora_rank, decoder.lora_request, decoder.adapter_dir, decoder.adapters_loaded = 0, None, None, 0
+    decoder.reload_name, decoder.activation_bytes = None, None
     decoder.llm = FakeEngine(gpu, footprint)
     return decoder, gpu, torch.nn.Linear(2, 2)
 
@@ -104,9 +105,11 @@ def test_waking_into_less_memory_than_the_engine_released_fails_with_what_to_cha
     decoder, gpu, model = gpu_decoder(monkeypatch, free=10 * GIB, footprint=40 * GIB)
     decoder.sleep()
     gpu["free"] -= 20 * GIB  # AdamW's states, allocated at the first step, took what the engine left
-    # short by 10 of 80 GiB: 0.5 - 0.125 - 0.02 = 0.355, rounded down
-    with pytest.raises(RuntimeError, match=r"needs 40.00 GiB back .* only 30.00 GiB are free .* Lower "
-                                           r"vllm.gpu_memory_utilization to 0.35 or less"):
+    # 40 GiB back and 4 (5% of 80) for the activations vLLM did not report: short by 14 of 80 GiB,
+    # 0.5 - 0.175 - 0.02 = 0.305, rounded down
+    with pytest.raises(RuntimeError, match=r"needs 40.00 GiB back .* and 4.00 GiB \(5% of the GPU\) for its "
+                                           r"activations.* only 30.00 GiB are free .* Lower "
+                                           r"vllm.gpu_memory_utilization to 0.30 or less"):
         decoder.sync_weights(model)
     assert decoder.llm.calls == [("sleep", 2)]  # nothing of the engine was taken back
 
@@ -194,3 +197,15 @@ def test_an_engine_that_serves_lora_adapters_keeps_its_base_weights_through_slee
     decoder.sync_weights(model)
     decoder.sleep()
     assert decoder.llm.calls[-1] == ("sleep", 2)
+
+
+def test_waking_leaves_room_for_the_activation_peak_vllm_measured():
+    # the weights and KV cache fit, the activation peak vLLM profiled at start-up does not
+    dv.check_wake_memory(40 * GIB, 43 * GIB, 80 * GIB, 0.5, activations=3 * GIB)
+    with pytest.raises(RuntimeError, match=r"needs 40.00 GiB back .* and 3.50 GiB for its activations as vLLM "
+                                           r"measured them, but only 43.00 GiB are free"):
+        dv.check_wake_memory(40 * GIB, 43 * GIB, 80 * GIB, 0.5, activations=int(3.5 * GIB))
+    # unreported (None): a margin of 5% of the GPU
+    with pytest.raises(RuntimeError, match=r"4.00 GiB \(5% of the GPU\)"):
+        dv.check_wake_memory(40 * GIB, 43 * GIB, 80 * GIB, 0.5)
+    dv.check_wake_memory(40 * GIB, 44 * GIB, 80 * GIB, 0.5)

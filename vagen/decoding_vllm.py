@@ -244,6 +244,9 @@ class VLLMDecoder:
               f"{f'GPU {device}' if self.on_gpu else 'the CPU'}: model runner {compat.runner_version(self.model_runner)} "
               f"({self.model_runner})", file=sys.stderr, flush=True)
         self.sleeping: set[str] = set()  # what the engine dropped in `sleep()` and has not taken back yet
+        self.reload_name = None  # the names vLLM's reload takes (`vllm_compat.reload_names`), found at the first sync
+        # vLLM's activation peak, which waking must leave room for (`check_wake_memory`)
+        self.activation_bytes = compat.activation_bytes(self.llm) if self.on_gpu else None
         self.released_bytes = 0  # GPU memory the engine gave up in its last `sleep()`
         self.in_process = tensor_parallel == 1
 
@@ -422,9 +425,11 @@ class VLLMDecoder:
             groups = list(weight_groups(without_wrapper(module), limit, only=trained_whole))
             _gather_adapters(adapted, adapters)
             sent[0] += sum(tensor.numel() * tensor.element_size() for tensor in adapters.values())
+        if groups and self.reload_name is None:
+            self.reload_name = compat.reload_names(self.llm, self.lora_rank > 0)
         if groups and self.in_process:
             # One reload over a generator: the engine pulls each group while it is gathered.
-            weights = _counted(_gathered_weights(groups, adapted, adapters), sent)
+            weights = _counted(_gathered_weights(groups, adapted, adapters, self.reload_name), sent)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         elif groups:
             # Worker processes get each group serialised (vLLM's own messages carry no nested tensors);
@@ -432,7 +437,8 @@ class VLLMDecoder:
             for group in groups:
                 with gathered(_group_parameters(group, adapted)):
                     buffer = io.BytesIO()
-                    pairs = list(_counted(engine_weights(group, adapted, adapters), sent))
+                    pairs = [(self.reload_name(name), tensor)
+                             for name, tensor in _counted(engine_weights(group, adapted, adapters), sent)]
                     torch.save([(name, tensor.cpu()) for name, tensor in pairs], buffer)
                 self.llm.collective_rpc(_reload_serialized, args=(buffer.getvalue(),))
         self.last_sync_bytes = sent[0]
@@ -496,7 +502,7 @@ class VLLMDecoder:
             return
         if "weights" in tags:
             check_wake_memory(self.released_bytes, free_gpu_bytes(), total_gpu_bytes(),
-                              float(self.settings["gpu_memory_utilization"]))
+                              float(self.settings["gpu_memory_utilization"]), self.activation_bytes)
         self.llm.wake_up(tags=tags)
         self.sleeping -= set(tags)
 
@@ -568,19 +574,31 @@ def total_gpu_bytes() -> int:
     return int(torch.cuda.mem_get_info()[1])
 
 
-def check_wake_memory(needed: int, free: int, total: int, utilization: float) -> None:
-    """Refuse to wake an engine into less memory than it released: vLLM sizes its KV cache at start-up,
-    before the optimizer's states exist (AdamW allocates them at its first step), and would fail inside
-    its allocator with a bare out-of-memory error."""
-    if free >= needed:
+# The share of the GPU kept free for the engine's activations when vLLM does not report their peak.
+ACTIVATION_MARGIN = 0.05
+
+
+def check_wake_memory(needed: int, free: int, total: int, utilization: float, activations: int | None = None) -> None:
+    """Refuse to wake an engine into less memory than it released plus what its forward passes take:
+    `needed` bytes (the weights and KV cache its sleep released) and `activations`, the activation peak
+    vLLM measured at start-up (`vllm_compat.activation_bytes`: the profiled forward pass, with CUDA graphs'
+    memory where vLLM counts it there), or `ACTIVATION_MARGIN` of the GPU where vLLM reports none. vLLM sizes
+    its KV cache at start-up, before the optimizer's states exist (AdamW allocates them at its first step),
+    and would fail inside its allocator with a bare out-of-memory error; the activations' cached blocks are
+    returned while the engine sleeps, and its first forward pass after waking takes them again."""
+    extra = int(ACTIVATION_MARGIN * total) if activations is None else int(activations)
+    if free >= needed + extra:
         return
     gib = 2**30
-    short = (needed - free) / total
+    short = (needed + extra - free) / total
     lower = max(0.05, int((utilization - short - 0.02) * 100) / 100)  # rounded down, with 2% to spare
+    counted = (f"{extra / gib:.2f} GiB for its activations as vLLM measured them" if activations is not None else
+               f"{extra / gib:.2f} GiB ({ACTIVATION_MARGIN:.0%} of the GPU) for its activations, which vLLM did not report")
     raise RuntimeError(
         f"the vLLM engine cannot wake up after the update: it needs {needed / gib:.2f} GiB back (the weights and KV "
-        f"cache it released; vllm.gpu_memory_utilization={utilization:g} of this GPU's {total / gib:.1f} GiB), but "
-        f"only {free / gib:.2f} GiB are free now that the update holds its optimizer states and gradients. Lower "
+        f"cache it released; vllm.gpu_memory_utilization={utilization:g} of this GPU's {total / gib:.1f} GiB) and "
+        f"{counted}, but only {free / gib:.2f} GiB are free now that the update holds its optimizer states and "
+        f"gradients. Lower "
         f"vllm.gpu_memory_utilization to {lower:.2f} or less, or make the update smaller: ZeRO-3 "
         f"(train.deepspeed_config=deepspeed/zero3_bf16.json) over more GPUs, LoRA (model.lora_rank=64), or "
         f"model.gradient_checkpointing=true")
@@ -680,11 +698,13 @@ def _counted(pairs, sent: list):
         yield name, tensor
 
 
-def _gathered_weights(groups, adapted: dict, adapters: dict | None = None):
-    """`engine_weights` of every group, each group's parameters gathered (ZeRO-3) while they are read."""
+def _gathered_weights(groups, adapted: dict, adapters: dict | None = None, rename=None):
+    """`engine_weights` of every group, each group's parameters gathered (ZeRO-3) while they are read; names
+    through `rename` (`vllm_compat.reload_names`) where given."""
     for group in groups:
         with gathered(_group_parameters(group, adapted)):
-            yield from engine_weights(group, adapted, adapters)
+            for name, tensor in engine_weights(group, adapted, adapters):
+                yield (rename(name) if rename is not None else name), tensor
 
 
 # The ranks vLLM 0.32 can serve adapters of (`LoRAConfig.max_lora_rank`).

@@ -18,8 +18,11 @@ tests/test_vllm.py tests/test_vllm_lora.py tests/test_vllm_families.py tests/tes
   shutdown destroys its parallel state, which every engine of the process shares, and the default process
   group, the trainer's. 0.32's in-process client shuts its core down from a `weakref.finalize` of its own
   (`InprocClient._finalizer`); 0.26's has none and shuts down only when asked. Both get vagen's finalizer.
+- `activation_bytes`: the activation peak the GPU worker measured at start-up, which waking must leave room for.
 - `preprocess_prompt`: a prompt through the engine's multimodal processor, as `LLM.generate` does before
   `LLMEngine.add_request` (`LLM._preprocess_cmpl_one`, the same in both releases).
+- `reload_names`: the names vLLM's in-place reload takes for the weights of layers wrapped for LoRA (0.26:
+  `<module>.base_layer.<param>`; 0.32: the plain names).
 - `repack_tied_heads`: the CPU's packed matmul weights of a tied language-model head, rebuilt after a reload.
 """
 
@@ -86,6 +89,18 @@ def preprocess_prompt(llm, prompt: dict):
     """`prompt` (a `TokensPrompt` dict, frames included) as `LLMEngine.add_request` takes it: what `LLM.generate`
     does to a prompt first (the frames through vLLM's multimodal processor)."""
     return llm._preprocess_cmpl_one(prompt)
+
+
+def _activation_report(worker):
+    peak = getattr(worker, "peak_activation_memory", None)
+    return None if peak is None else int(peak)
+
+
+def activation_bytes(llm) -> int | None:
+    """The activation peak the engine's GPU worker measured when it profiled memory at start-up
+    (`Worker.peak_activation_memory`: 0.26 and 0.32, with CUDA graphs' estimated memory where
+    VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS counts it there); None where the worker reports none (the CPU)."""
+    return llm.collective_rpc(_activation_report)[0]
 
 
 # -- shutdown of engine cores that run in this process ----------------------------------------------------
@@ -155,6 +170,37 @@ def _cleanup_keeping_group() -> None:
 
 
 # -- weights ----------------------------------------------------------------------------------------------
+
+def reload_names(llm, lora: bool):
+    """A function that renames the trainer's parameter names (Hugging Face's) for vLLM's in-place reload of an
+    engine built with `lora` (`enable_lora`). vLLM wraps the layers it serves adapters on, whose weights then
+    sit under `<module>.base_layer.`: 0.32's reload finds them by their plain names (its `reload.inplace`
+    module), 0.26's does not ("There is no module or parameter named ...qkv_proj.weight") and takes
+    `<module>.base_layer.<param>`, which 0.32 refuses. The identity where no renaming is needed."""
+    import importlib.util
+
+    if not lora or importlib.util.find_spec("vllm.model_executor.model_loader.reload.inplace") is not None:
+        return lambda name: name
+    wrapped, packed = llm.apply_model(_lora_wrapped)[0]
+    # "layers.3.self_attn.q_proj" for every trainer module inside a wrapped one (q, k and v packed as qkv_proj)
+    keys = set()
+    for path in wrapped:
+        head, _, leaf = path[path.find("layers."):].rpartition(".")
+        keys.update(f"{head}.{part}" for part in packed.get(leaf, [leaf]))
+
+    def rename(name: str) -> str:
+        module, _, param = name.rpartition(".")
+        at = module.find("layers.")
+        return f"{module}.base_layer.{param}" if at >= 0 and module[at:] in keys else name
+
+    return rename
+
+
+def _lora_wrapped(model) -> tuple[list[str], dict]:
+    """The engine's modules that vLLM wrapped for LoRA (those with a `base_layer`), and its packed modules."""
+    names = [name for name, module in model.named_modules() if hasattr(module, "base_layer") and "layers." in name]
+    return names, dict(getattr(model, "packed_modules_mapping", None) or {})
+
 
 def repack_tied_heads(engine_model) -> None:
     """Rebuild the packed weights of the engine's language-model heads. On the CPU vLLM packs a head's
