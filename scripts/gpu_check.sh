@@ -6,7 +6,8 @@
 # 1. installs what the machine lacks from WHEELS (a folder of wheels made beforehand with
 #    scripts/gpu_wheels.sh; skipped where deepspeed, vllm and vagen import already), without the network;
 # 2. runs `pytest -m gpu` (tests/test_gpu.py: the shipped DeepSpeed configs, CUDA against CPU log-probs,
-#    seeded sampling, and vLLM on CUDA: CUDA graphs, sleep, waking weights first, the synced policy);
+#    seeded sampling, and vLLM on CUDA: CUDA graphs, sleep, waking weights first, the synced policy), then
+#    scripts/gpu_engine_check.py: the model runner, F.linear after ZeRO-3, each rank's EGL device, start-up time;
 # 3. runs benchmarks/bench_gpu.py at Qwen2.5-VL-3B's shape with the hf and the vllm backend, a size that
 #    fits the whole script in 8 minutes on an H100, and prints one table: seconds per iteration and per
 #    rollout, generated and update tokens per second, peak memory, and the decoding bandwidth bound
@@ -58,6 +59,17 @@ PYEOF
 say "pytest -m gpu"
 "$PY" -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$LOGS/pytest_gpu.log" | tail -n 5
 gpu_status=${PIPESTATUS[0]}
+
+# The vLLM engine's GPU-only checks, one JSON line each (scripts/gpu_engine_check.py): the model runner vLLM
+# chose (vagen pins V1) and the start-up time at the rank's engine sizes against vLLM's serving defaults;
+# torch.nn.functional.linear after a ZeRO-3 partitioned build and an engine decoding after it; the EGL device of
+# each local rank and a frame it renders.
+engine_status=0
+for check in runner linear egl; do
+  say "engine check: $check"
+  timeout 300 "$PY" scripts/gpu_engine_check.py "$check" > "$LOGS/engine_$check.log" 2>&1 || engine_status=1
+  tail -n 1 "$LOGS/engine_$check.log" | tee -a "$LOGS/engine_checks.jsonl"
+done
 
 say "bandwidth"
 "$PY" - > "$LOGS/bandwidth.json" <<'PYEOF'
@@ -119,5 +131,6 @@ for backend in ("hf", "vllm"):
           f"{bound:,.0f} | {r['generated_tokens_per_s'] / bound:.0%} | {r['update_tokens_per_s']:,.0f} | "
           f"{r['weight_sync_s']:.2f} | {r['peak_gib']:.1f} |")
 PYEOF
-say "done (pytest -m gpu exit $gpu_status)"
-exit "$gpu_status"
+say "done (pytest -m gpu exit $gpu_status, engine checks exit $engine_status)"
+[ "$gpu_status" -ne 0 ] && exit "$gpu_status"
+exit "$engine_status"
