@@ -122,6 +122,19 @@ def test_an_unknown_model_type_is_refused_before_a_run_directory_without_a_trace
                               f"vagen/models/ (see vagen/models/family.py) and a line in FAMILIES")
 
 
+def test_evaluation_refuses_an_unknown_model_type_before_loading_without_a_traceback(tmp_path):
+    checkpoint = tmp_path / "llava"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    done = subprocess.run([sys.executable, "-m", "vagen.eval", "--checkpoint", str(checkpoint), "--config",
+                           "sokoban_visual", "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.startswith(f"config error: --checkpoint={checkpoint}: {checkpoint / 'config.json'} has "
+                                  f"model_type 'llava', not a model family vagen knows")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("path, hooks", [
     ("assets:sokoban_visual", ["vagen_center_image_tokens", "vagen_image_position_code"]),
     ("builtin:tiny-vl", ["vagen_center_image_tokens", "vagen_image_position_code"]),  # sokoban_visual asks for the code

