@@ -1224,6 +1224,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.ranks is None:
+        if args.gpu_gib is not None:
+            parser.error("--gpu-gib G sizes the check of --ranks N: give both, e.g. --ranks 8 --gpu-gib 80")
         print(to_yaml(load_config_or_exit(names, args.overrides), with_help=True), end="")
         return 0
     gpu_gib = args.gpu_gib
