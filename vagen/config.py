@@ -102,6 +102,21 @@ class EnvConfig:
 
 
 @dataclass
+class TaskConfig:
+    """One task of a run over several (`rollout.tasks`): an environment config and its share of level groups.
+    `env` and `rollout` are filled when the run's config loads (`load_configs`), from the task's config (after
+    the recipes that follow the run's config, through its real_model section, and the command line's env.*
+    and length overrides): a run's saved config.yaml holds them, so loading it alone reproduces the tasks."""
+    config: str = _f("", "the task's environment config (a name in configs/ or a path): its env section, turns, "
+                         "tokens per turn and trajectory length")
+    groups: int = _f(1, "level groups of this task per iteration, over all ranks (a multiple of the rank count)")
+    name: str = _f("", "the task's name in metrics (rollout/<name>/success) and evaluations; empty = the config's")
+    env: dict = _f({}, "filled when the config loads: the task's env section")
+    rollout: dict = _f({}, "filled when the config loads: the task's rollout.max_turns, max_new_tokens and "
+                           "max_trajectory_length")
+
+
+@dataclass
 class RolloutConfig:
     backend: str = _f("hf", "decoding engine: hf (the transformers model being trained, one cache across turns) | "
                             "vllm (an in-process vLLM engine per rank, weights synced after each update; settings "
@@ -135,6 +150,10 @@ class RolloutConfig:
                                "rank's share of groups has ended, up to (k + 1) x that share of groups are in flight, "
                                "and unfinished episodes go on after the update with the new weights; needs "
                                "algo.rollout_correction=tis (decoupled PPO), (k + 1) x the environments")
+    tasks: list[TaskConfig] = _f([], "several tasks in one run: a list of {config: ENV_CONFIG, groups: N} (each "
+                                     "environment config keeps its env, turns and lengths; rollout.env_groups is "
+                                     "then the sum of the groups, env and the lengths those of the tasks: "
+                                     "docs/training.md, \"Several tasks in one run\"); [] = one environment")
 
 
 @dataclass
@@ -537,6 +556,7 @@ def validate(cfg: Config) -> None:
     _check_state_reward(cfg)
     _check_lora(cfg)
     _check_staleness(cfg)
+    _check_tasks(cfg)
     if cfg.algo.rollout_correction == "tis" and cfg.rollout.backend != "vllm":
         raise ConfigError("algo.rollout_correction=tis corrects for the gap between the engine that samples and the "
                           f"trainer, but rollout.backend={cfg.rollout.backend} samples from the trained model itself; "
@@ -606,6 +626,35 @@ def _check_env_backend(env: EnvConfig) -> None:
         raise ConfigError("env.backend=ray runs the environments as Ray actors, but Ray is not installed in this "
                           "environment; pip install -e \".[ray]\" (on every node that runs environment actors "
                           "too), or set env.backend=process")
+
+
+def _check_tasks(cfg: Config) -> None:
+    """rollout.tasks: resolved (load_configs), each named once with groups >= 1, their sum rollout.env_groups."""
+    tasks = cfg.rollout.tasks
+    if not tasks:
+        return
+    for i, task in enumerate(tasks):
+        if not task.env or not task.name or sorted(task.rollout) != sorted(TASK_ROLLOUT_KEYS):
+            raise ConfigError(f"rollout.tasks[{i}] ({task.config or 'no config'}) is not resolved: load the config "
+                              f"with vagen.config.load_configs, which fills each task's env and lengths from its "
+                              f"environment config")
+        if task.groups < 1:
+            raise ConfigError(f"rollout.tasks[{i}] ({task.name}) groups={task.groups} must be >= 1 (level groups of "
+                              f"the task per iteration); drop the task instead")
+        _check_env(EnvConfig(**task.env))
+    names = [task.name for task in tasks]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ConfigError(f"rollout.tasks names {', '.join(twice)} more than once (metrics and evaluations are kept "
+                          f"per task name); merge their groups into one entry, or give one a name: {{config: ..., "
+                          f"groups: ..., name: OTHER}}")
+    if cfg.rollout.env_groups != sum(task.groups for task in tasks):
+        raise ConfigError(f"rollout.env_groups={cfg.rollout.env_groups} but the groups of rollout.tasks sum to "
+                          f"{sum(task.groups for task in tasks)}; with rollout.tasks set only the tasks' groups")
+    if cfg.rollout.max_staleness > 0:
+        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} with rollout.tasks: several tasks are "
+                          f"played synchronously, one rollout per task before each update; set "
+                          f"rollout.max_staleness=0")
 
 
 def _check_staleness(cfg: Config) -> None:
@@ -733,7 +782,9 @@ def kept_groups(cfg: Config) -> int:
     """Level groups an iteration trains after the reward-std filter (all of them without it)."""
     if cfg.algo.filter_mode == "none":
         return cfg.rollout.env_groups
-    return max(1, math.ceil(cfg.algo.filter_keep_ratio * cfg.rollout.env_groups - 1e-9))
+    # with rollout.tasks the filter keeps its share of each task's groups (vagen.update.plan_groups)
+    counts = [task.groups for task in cfg.rollout.tasks] or [cfg.rollout.env_groups]
+    return sum(max(1, math.ceil(cfg.algo.filter_keep_ratio * groups - 1e-9)) for groups in counts)
 
 
 def check_ranks(cfg: Config, world_size: int) -> None:
@@ -745,6 +796,11 @@ def check_ranks(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"{key}={value} must be divisible by the {world_size} ranks (each rank plays and "
                               f"trains an equal share); use a multiple of {world_size}, or fewer ranks (deepspeed "
                               f"--num_gpus K; without --num_gpus the launcher starts one rank per GPU of the node)")
+    for i, task in enumerate(cfg.rollout.tasks):
+        if task.groups % world_size:
+            raise ConfigError(f"rollout.tasks[{i}] ({task.name}) groups={task.groups} must be divisible by the "
+                              f"{world_size} ranks (each rank plays an equal share of every task); use a multiple "
+                              f"of {world_size}, or fewer ranks")
     kept = kept_groups(cfg)
     if kept < world_size:
         raise ConfigError(f"algo.filter_keep_ratio={cfg.algo.filter_keep_ratio} keeps {kept} of "
@@ -802,6 +858,8 @@ def check_training(cfg: Config) -> None:
                 f"with \"bf16\": {{\"enabled\": true}} (fp32 master weights), e.g. "
                 f"train.deepspeed_config=deepspeed/zero2_bf16.json, or model.dtype=float32"
             )
+
+
 def machine_problems(cfg: Config) -> list[str]:
     """What this environment and the checkpoint's config.json rule out, read before anything loads
     (`vagen.preflight`): a package the config's backend or extras import and this environment lacks (vllm,
@@ -929,6 +987,9 @@ def _coerce(value: Any, tp, where: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
     elif expected is list:
+        item = (typing.get_args(tp) or (None,))[0]
+        if isinstance(value, (list, tuple)) and dataclasses.is_dataclass(item):
+            return [_coerce_entry(entry, item, f"{where}[{i}]") for i, entry in enumerate(value)]
         if isinstance(value, (list, tuple)):
             return list(value)
     elif expected is dict:
@@ -938,6 +999,21 @@ def _coerce(value: Any, tp, where: str) -> Any:
         f"{where}: expected {_type_name(tp)}, received {value!r} ({type(value).__name__}); "
         f"fix the value in the YAML file or override, e.g. {where}=<{_type_name(tp)}>"
     )
+
+
+def _coerce_entry(value: Any, cls, where: str):
+    """A list entry of dataclass `cls` (a rollout.tasks entry) from a mapping, its keys checked and typed."""
+    if isinstance(value, cls):
+        return value
+    fields = _section_fields(cls)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping with keys {', '.join(fields)}, received {value!r}; e.g. "
+                          f"{{config: sokoban_visual, groups: 2}}")
+    types_ = _section_types(cls)
+    for key in value:
+        if key not in fields:
+            raise ConfigError(f"{where}: unknown key {key!r}{_closest(str(key), fields)} keys: {', '.join(fields)}")
+    return cls(**{key: _coerce(item, types_[key], f"{where}.{key}") for key, item in value.items()})
 
 
 def _section_fields(section_cls) -> dict[str, dataclasses.Field]:
@@ -1113,7 +1189,8 @@ def load_configs(names: str | list[str] | None = None, overrides: list[str] | No
     raw: dict = {}
     parts = []
     profile = None  # (path, real_model section) of the last config before the current one that has one
-    for entry in config_names(names):
+    entries, tasks_at = config_names(names), None
+    for at, entry in enumerate(entries):
         path = resolve_config_path(entry)
         data = yaml.safe_load(path.read_text()) or {}
         if not isinstance(data, dict):
@@ -1125,16 +1202,86 @@ def load_configs(names: str | list[str] | None = None, overrides: list[str] | No
             profile = (path, _real_model_section(data.pop("real_model"), path))
         for key, value in _flatten(data, str(path)):
             _apply(raw, key, value, str(path))
-        if family is not None:
+        if "tasks" in (data.get("rollout") or {}):
+            tasks_at = at
+        if family is not None and tasks_at is None:  # several tasks: each task's real_model, in _resolve_tasks
             _apply_real_model(raw, family, path, profile, before=parts[:-1])
     for text in overrides or []:
         key, value = parse_override(text)
         _apply(raw, key, value, "command-line override")
+    after = entries[tasks_at + 1:] if tasks_at is not None else []
+    _resolve_tasks(raw, after, overrides or [], require_checkpoint)
     token = _CHECKPOINT_OPTIONAL.set(not require_checkpoint)
     try:
         return from_dict(raw, "+".join(parts) or "default")
     finally:
         _CHECKPOINT_OPTIONAL.reset(token)
+
+
+# What each task of rollout.tasks keeps of its own environment config, besides its env section.
+TASK_ROLLOUT_KEYS = ("max_turns", "max_new_tokens", "max_trajectory_length")
+
+
+def _resolve_tasks(raw: dict, after: list[str], overrides: list[str], require_checkpoint: bool) -> None:
+    """rollout.tasks: each task's environment config loaded as a run of its own would load it (then the configs
+    `after` the one that lists the tasks, recipes among them, with the task's real_model section, and the
+    command line's env.* and length overrides); its env section and TASK_ROLLOUT_KEYS go into the task. The
+    run's env is the first task's and its lengths the largest (what sizes engines and buffers), and
+    rollout.env_groups the sum of the tasks' groups. Tasks already resolved (a run's config.yaml) stay."""
+    tasks = (raw.get("rollout") or {}).get("tasks")
+    if not tasks:
+        return
+    own = [text for text in overrides
+           if parse_override(text)[0].startswith("env.") or parse_override(text)[0] in
+           [f"rollout.{key}" for key in TASK_ROLLOUT_KEYS]]
+    resolved = []
+    for i, task in enumerate(tasks):
+        if task.env:
+            resolved.append(task)
+            continue
+        if not task.config:
+            raise ConfigError(f"rollout.tasks[{i}] names no environment config; write each task as "
+                              f"{{config: sokoban_visual, groups: 2}} (configs: {', '.join(available_configs())})")
+        try:
+            sub = load_configs([task.config, *after], own, require_checkpoint)
+        except ConfigError as err:
+            raise ConfigError(f"rollout.tasks[{i}] (config: {task.config}): {err}") from None
+        if sub.rollout.tasks:
+            raise ConfigError(f"rollout.tasks[{i}] (config: {task.config}) lists tasks of its own; a task names an "
+                              f"environment config (one env, its turns and lengths), not a run over several")
+        resolved.append(dataclasses.replace(task, name=task.name or Path(task.config).stem,
+                                            env=dataclasses.asdict(sub.env),
+                                            rollout={key: getattr(sub.rollout, key) for key in TASK_ROLLOUT_KEYS}))
+    total = sum(task.groups for task in resolved)
+    wanted = raw["rollout"].get("env_groups", total)
+    if wanted != total:  # set by a recipe or an override: shared out in the tasks' proportions
+        if any(task.groups * wanted % total for task in resolved):
+            shares = ", ".join(f"{task.name} {task.groups}" for task in resolved)
+            raise ConfigError(f"rollout.env_groups={wanted} cannot be shared out in the proportions of rollout.tasks "
+                              f"({shares} of {total}) in whole groups; set rollout.env_groups to a multiple of "
+                              f"{total // math.gcd(total, *[task.groups for task in resolved])}, or set the tasks' "
+                              f"groups themselves")
+        resolved = [dataclasses.replace(task, groups=task.groups * wanted // total) for task in resolved]
+        total = wanted
+    raw["rollout"].update(tasks=resolved, env_groups=total,
+                          **{key: max(task.rollout[key] for task in resolved) for key in TASK_ROLLOUT_KEYS})
+    raw["env"] = dict(resolved[0].env)
+
+
+def task_configs(cfg: Config) -> list[tuple[str, Config]]:
+    """Each task of rollout.tasks as the config its rollouts run under: the run's, with the task's env section,
+    turns and lengths and its groups as rollout.env_groups (not validated again: a task's share of groups may
+    be smaller than train.mini_batch_size). [] for a run of one environment."""
+    import copy
+
+    out = []
+    for task in cfg.rollout.tasks:
+        sub = copy.copy(cfg)  # no __post_init__: the run's config was validated whole
+        sub.env = EnvConfig(**{**task.env, "params": dict(task.env.get("params") or {})})
+        sub.rollout = dataclasses.replace(cfg.rollout, tasks=[], env_groups=task.groups, **task.rollout)
+        sub.name = task.name
+        out.append((task.name, sub))
+    return out
 
 
 def load_config(name_or_path: str | list[str] | None = None, overrides: list[str] | None = None) -> Config:
@@ -1191,7 +1338,10 @@ def to_yaml(cfg: Config, with_help: bool = False) -> str:
         lines.append(f"{section}:")
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):
-            value = yaml.safe_dump(getattr(obj, f.name), default_flow_style=True).strip()
+            value = getattr(obj, f.name)
+            if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+                value = [dataclasses.asdict(entry) for entry in value]  # rollout.tasks
+            value = yaml.safe_dump(value, default_flow_style=True).strip()
             value = value.removesuffix("\n...").removesuffix("...").strip()
             entry = f"  {f.name}: {value}"
             lines.append(f"{entry:<50} # {f.metadata.get('help', '')}")
