@@ -181,9 +181,9 @@ def test_gpu_total_adds_vllm_buckets_and_the_margin_hand_checked(tmp_path):
     result = estimate(cfg, 2, ds, gpu_gib=40)
     # states: actor and critic, each 2 B weights + 2/2 B gradients + 12/2 B optimizer over 2 ranks
     states = 2 * (2 + 1 + 6) * 1_000_000
-    # buckets: ZeRO-2 with overlap_comm: two reduce buffers per engine, each the 1e6 parameters (less than the
-    # configured 2e8), and one all-gather bucket of them, in bf16
-    buckets = (2 * 2 * 1_000_000 + 1_000_000) * 2
+    # buckets: ZeRO-2 with overlap_comm: two reduce buffers, each the 1e6 parameters (less than the configured
+    # 2e8), held during one engine's backward at a time, and one all-gather bucket of them, in bf16
+    buckets = (2 * 1_000_000 + 1_000_000) * 2
     assert result.total_gib == pytest.approx(states / GIB, rel=1e-12)
     assert result.gpu_total_gib == pytest.approx((states + buckets) / GIB + 0.25 * 40 + MARGIN_GIB, rel=1e-12)
     assert result.problem is None and result.lines[-1].endswith("GiB of 40 GiB: fits")
@@ -205,6 +205,48 @@ def test_the_shipped_deepspeed_configs_set_every_bucket_they_use():
         zero = json.loads(path.read_text())["zero_optimization"]
         wanted = {0: set(), 2: {"reduce_bucket_size", "allgather_bucket_size"}, 3: zero3}[zero["stage"]]
         assert wanted <= set(zero), f"{path.name} leaves {sorted(wanted - set(zero))} at DeepSpeed's defaults"
+
+
+def test_deepspeed_holds_the_buckets_the_estimate_counts(distributed):
+    """Read off real engines (one gloo rank, a 20,200-parameter model, buckets of 3,000 elements): ZeRO-2
+    holds two reduce buckets with overlap_comm (one without) during backward and none after it, so the
+    actor's and the critic's never coexist; ZeRO-3 holds one from the engine's start, so both engines' do."""
+    import deepspeed
+    import torch
+
+    def engine(stage, overlap):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 100))
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
+                  "zero_optimization": {"stage": stage, "overlap_comm": overlap, "contiguous_gradients": True,
+                                        "reduce_bucket_size": 3000, "allgather_bucket_size": 3000},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+        return deepspeed.initialize(model=model, config=config)[0]
+
+    def held(optimizer):
+        return sorted(b.numel() for bucket in optimizer.ipg_buckets.values()
+                      for b in (bucket.buffer if isinstance(bucket.buffer, list) else [bucket.buffer]))
+
+    for overlap, during in [(True, [3000, 3000]), (False, [3000])]:
+        zero2 = engine(2, overlap)
+        seen, reduce = [], zero2.optimizer.reduce_ipg_grads
+
+        def spy(*args, reduce=reduce, optimizer=zero2.optimizer, seen=seen, **kwargs):
+            seen.append(held(optimizer))
+            return reduce(*args, **kwargs)
+
+        zero2.optimizer.reduce_ipg_grads = spy
+        zero2.backward(zero2(torch.randn(2, 100)).sum())
+        assert seen and all(s == during for s in seen), seen
+        assert held(zero2.optimizer) == []  # freed after the backward
+        ds = {"zero_optimization": {"stage": 2, "overlap_comm": overlap, "reduce_bucket_size": 3000,
+                                    "allgather_bucket_size": 3000}}
+        assert communication_gib(ds, 4, [20_200, 20_200], 20_200, 10_000)[0] * GIB == 4 * (sum(during) + 3000)
+    zero3 = engine(3, True)
+    assert held(zero3.optimizer) == [3000]  # from the start, before any backward
+    ds = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 3000, "stage3_max_live_parameters": 0,
+                                "stage3_prefetch_bucket_size": 0}}
+    assert communication_gib(ds, 4, [20_200, 20_200], 20_200, 10_000)[0] * GIB == 4 * (2 * 3000 + 10_000)
 
 
 def test_zero3_buckets_count_a_reduce_bucket_per_trained_engine_and_the_live_parameters_once():

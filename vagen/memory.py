@@ -23,13 +23,14 @@ the GPU while the engines hold their states, and refuses a total over G:
                  takes that share whatever else is resident; sleeping it releases the share during the
                  update, but the engines' states are resident while it is awake, so the two add up
     buckets      DeepSpeed's communication buffers of `train.deepspeed_config` (configs/deepspeed/ sets each
-                 size): per trained engine (actor, and critic for gae/turn_gae) its reduce bucket of
-                 `reduce_bucket_size` elements in the model's dtype, two of them under ZeRO-1/2 with
-                 `overlap_comm` (DeepSpeed's double buffer); once, for the one engine that runs at a time,
-                 what it gathers: ZeRO-3's live parameters (`stage3_max_live_parameters` +
-                 `stage3_prefetch_bucket_size`, at least the largest tensor), ZeRO-1/2's
-                 `allgather_bucket_size`, ZeRO-0's fixed 5e8-element all-reduce buffer; each at most the
-                 parameters it holds
+                 size), in the model's dtype, each at most the parameters it holds: ZeRO-3 keeps a reduce
+                 bucket of `reduce_bucket_size` elements in each trained engine (actor, and critic for
+                 gae/turn_gae) from its start, and gathers `stage3_max_live_parameters` +
+                 `stage3_prefetch_bucket_size` (at least the largest tensor) in the one engine that runs;
+                 ZeRO-1/2 hold their reduce buckets (two under `overlap_comm`, DeepSpeed's double buffer)
+                 only during an engine's backward, so one engine's count, and the all-gather bucket
+                 `allgather_bucket_size` after its step; ZeRO-0 all-reduces through a fixed buffer of 5e8
+                 elements. tests/test_preflight.py reads these buffers off real DeepSpeed engines
     margin       MARGIN_GIB: the CUDA context and the allocator's fragmentation (1-3 GiB), and the
                  activations of one micro-batch under gradient checkpointing with its [tokens, vocabulary]
                  log-probability chunk (2-3 GiB at 7B and 2,400 tokens)
@@ -270,8 +271,10 @@ def communication_gib(deepspeed: dict, width: int, trained: list[int], held: int
         gathered, what = min(size("allgather_bucket_size"), max(trained, default=0)), "all-gather bucket"
         buffers = (2 if zero.get("overlap_comm", False) else 1) if zero.get("contiguous_gradients", True) else 0
     reduce_size = size("reduce_bucket_size") if stage > 0 else 0
-    reduce = sum(buffers * min(reduce_size, count) for count in trained)
-    detail = (f"{len(trained)} engine(s) x {buffers} reduce bucket(s) of {reduce_size:.0e} elements"
+    # ZeRO-3 allocates each engine's bucket when the engine starts; ZeRO-1/2 in each backward, freed after it
+    holding = trained if stage == 3 else trained[:1]
+    reduce = sum(buffers * min(reduce_size, count) for count in holding)
+    detail = (f"{len(holding)} engine(s) x {buffers} reduce bucket(s) of up to {reduce_size:.0e} elements"
               if buffers and trained else "no reduce bucket")
     return width * (reduce + gathered) / GIB, f"{detail}, {what}: {gathered:.2e} elements"
 
