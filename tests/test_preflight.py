@@ -81,10 +81,13 @@ def test_every_missing_package_is_named_at_once(monkeypatch):
 
 def test_the_known_model_types_are_those_of_vagen_models():
     pytest.importorskip("torch")
-    from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, known_model_types
+    from vagen.config import BUILTIN_MODELS
+    from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, builtin_family, known_model_types
 
     assert list(KNOWN_MODEL_TYPES) == known_model_types()
     assert IMAGE_HOOK_KEYS == (CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE)
+    for name in BUILTIN_MODELS:  # each built-in's predicted config.json names a model type of its family
+        assert checkpoint_config(name)[0]["model_type"] in builtin_family(name).model_types, name
 
 
 @pytest.mark.parametrize("position_code", [False, True])
