@@ -14,19 +14,32 @@ from vagen.staleness import Admission, token_staleness
 
 def test_admission_at_k0_admits_each_iterations_share_in_order():
     admission = Admission(groups_per_rank=3)
-    assert [list(admission.admit(v)) for v in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    admitted = []
+    for version in range(3):
+        admitted.append(list(admission.admit(version)))
+        admission.end(3)
+    assert admitted == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     assert admission.level(7) == (2, 1)
     # a reused batch (rollout.reuse_iterations=2) plays no rollout at version 1: its levels are skipped
     skipping = Admission(groups_per_rank=2)
-    assert [list(skipping.admit(v)) for v in (0, 2, 4)] == [[0, 1], [4, 5], [8, 9]]
+    admitted = []
+    for version in (0, 2, 4):
+        admitted.append(list(skipping.admit(version)))
+        skipping.end(2)
+    assert admitted == [[0, 1], [4, 5], [8, 9]]
 
 
-def test_admission_bound_is_arealS_rule():
+def test_admission_keeps_k_plus_one_shares_in_flight():
     admission = Admission(groups_per_rank=2, max_staleness=2)
-    assert admission.bound(0) == 6 and list(admission.admit(0)) == [0, 1, 2, 3, 4, 5]
+    assert list(admission.admit(0)) == [0, 1, 2, 3, 4, 5]  # AReaL's (0 + 2 + 1) x 2
     assert list(admission.admit(0)) == []  # nothing more before an update
-    assert list(admission.admit(1)) == [6, 7]
-    assert admission.started == 8
+    admission.end(2)
+    assert list(admission.admit(1)) == [6, 7]  # (1 + 2 + 1) x 2 while each update ends 2 groups
+    admission.end(3)  # an update that trained a group more (one finished early to respect k)
+    assert list(admission.admit(2)) == [8, 9, 10]  # the pipeline refills
+    assert admission.started - admission.ended == admission.in_flight_limit == 6
+    with pytest.raises(AssertionError):
+        admission.end(7)  # more than are in flight
 
 
 def test_a_group_is_finished_before_it_would_be_more_than_k_updates_old():
@@ -38,10 +51,18 @@ def test_a_group_is_finished_before_it_would_be_more_than_k_updates_old():
     assert Admission(groups_per_rank=1).must_finish(5, 5)  # k = 0: every started group ends
 
 
-def test_resumed_admission_continues_the_numbering():
-    assert Admission(4, 2).resumed(0) == 0
-    assert Admission(4, 2).resumed(3) == 20  # the drained rollout of version 2 admitted up to (2 + 2 + 1) x 4
-    assert Admission(4, 0).resumed(3) == 12
+def test_admission_counts_survive_a_checkpoint():
+    admission = Admission(4, 2)
+    admission.admit(0)
+    admission.end(12)
+    restored = Admission(4, 2)
+    restored.load_state_dict(admission.state_dict())
+    assert (restored.started, restored.ended) == (12, 12)
+    restored.resume(3)  # counts restored: kept
+    assert restored.started == 12
+    old = Admission(4, 0)
+    old.resume(3)  # a checkpoint without counts, of a synchronous run: iteration 3's groups come next
+    assert (old.started, old.ended) == (12, 12) and list(old.admit(3)) == [12, 13, 14, 15]
 
 
 @pytest.mark.parametrize("bad", [dict(groups_per_rank=0), dict(groups_per_rank=2, max_staleness=-1)])
@@ -124,7 +145,7 @@ def test_carried_rollouts_train_no_turn_older_than_k_and_lose_no_group(tiny_text
         # trained and in flight are every admitted group, none twice
         assert len(trained) == len(set(trained)) and not set(trained) & in_flight
         assert set(trained) | in_flight == set(range(source.admission.started))
-        assert source.admission.started <= source.admission.bound(version)
+        assert source.admission.started - source.admission.ended == len(in_flight) <= 4 * (k + 1)
         assert stats["rollout/carried_episodes"] == len(source.game.waiting)
     assert carried > 0  # episodes did go on after an update
     assert not source.game.groups and not source.game.waiting  # the last rollout drained every group
@@ -242,3 +263,33 @@ def test_weights_are_exactly_one_when_the_sampler_computes_the_trainers_logprobs
     weights = torch.cat([s.extra["tis_weights"] for s in samples])[sampled]
     assert weights.numel() > 8 and bool((weights == 1.0).all()), weights
     assert metrics["rollout/inference_logprob_gap_max"] == 0.0 and metrics["actor/tis_clamped_fraction"] == 0.0
+
+
+def test_a_run_resumed_after_a_drained_checkpoint_plays_what_the_uninterrupted_one_did(tiny_text):
+    """k = 2: the rollout before a checkpoint ends every group it started, so the checkpoint holds no carried
+    episode, and a run resumed from it (a new `Rollouts` at the next iteration) plays what the uninterrupted
+    run played, group for group."""
+    saved_after = 2  # train.save_every=3: the checkpoint after the update of iteration 2
+
+    def played(source, versions):
+        decoder, out = Answers(source.game.encoder), []
+        for version in versions:
+            episodes, stats = source.play(decoder, version, drain=version == saved_after)
+            out.append([(ep.admission, ep.seed, [t.version for t in ep.turns], ep.input_ids) for ep in episodes])
+            if version == saved_after:
+                assert not source.game.groups and stats["rollout/carried_episodes"] == 0
+        return out
+
+    source = _rollouts(tiny_text, 2)[0]
+    uninterrupted = played(source, range(3))
+    saved = source.admission.state_dict()  # what the checkpoint keeps (trainer_state.json)
+    uninterrupted += played(source, range(3, 6))
+    cfg = _config()
+    cfg.rollout.max_staleness = 2
+    admission = Admission(4, 2)
+    admission.load_state_dict(saved)
+    resumed = played(Rollouts(ChatEncoder(tiny_text[2]), cfg, [Steps() for _ in range(4 * 2 * 3)],
+                              start=saved_after + 1, admission=admission), range(3, 6))
+    assert resumed == uninterrupted[3:]
+    # episodes were carried after the resumption too: some trained ones span versions
+    assert any(len(set(versions)) > 1 for part in resumed for _, _, versions, _ in part)

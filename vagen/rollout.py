@@ -110,10 +110,12 @@ class Rollouts:
     episodes still unfinished wait between turns in the `Game`, which lives from one rollout to the next,
     for the next weights. `envs` (a list, or `EnvWorkers`) holds (k + 1) x the share's episodes."""
 
-    def __init__(self, encoder: ChatEncoder, cfg, envs, rank: int = 0, world_size: int = 1, start: int = 0):
+    def __init__(self, encoder: ChatEncoder, cfg, envs, rank: int = 0, world_size: int = 1, start: int = 0,
+                 admission: Admission | None = None):
         self.cfg, self.rank, self.envs = cfg, rank, envs
-        self.admission = Admission(cfg.rollout.env_groups // world_size, cfg.rollout.max_staleness)
-        self.admission.started = self.admission.resumed(start)
+        # `admission`: restored from a checkpoint (`Admission.state_dict`) when the run resumes
+        self.admission = admission or Admission(cfg.rollout.env_groups // world_size, cfg.rollout.max_staleness)
+        self.admission.resume(start)
         pool = InProcessEnvs(envs, cfg.env.step_timeout) if isinstance(envs, list) else envs
         needed = (cfg.rollout.max_staleness + 1) * self.admission.groups_per_rank * cfg.rollout.group_size
         assert len(pool) == needed, f"{len(pool)=} {needed=}"
@@ -135,6 +137,7 @@ class Rollouts:
         game.take_answers(block=True, all_of_them=True)
         play_game(decoder, game)
         episodes = game.collect()
+        self.admission.end(len(episodes) // cfg.rollout.group_size)
         stats = dict(game.timing)
         stats["rollout/carried_episodes"] = float(len(game.waiting))
         return episodes, stats

@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     from vagen.console import Progress
     from vagen.rollout import Rollouts, close_envs, make_decoder, make_envs
     from vagen.run import RunDir, reduce_metrics
+    from vagen.staleness import Admission
     from vagen.state_reward import state_rewarder
 
     torch.manual_seed(cfg.train.seed + dist.rank)
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
     rewarder = state_rewarder(cfg, dist)
     # What a resumed run must restore besides the engines (the state reward's recent descriptions).
     tracked = {"state_reward": rewarder.tracker} if rewarder is not None else {}
+    # and the count of level groups admitted and ended (rollout.max_staleness), which numbers the next ones
+    admission = Admission(cfg.rollout.env_groups // dist.world_size, cfg.rollout.max_staleness)
+    tracked["admission"] = admission
     start = run.maybe_resume(cfg, models.actor, models.critic, monitor, tracked)
     decoder = make_decoder(cfg, models.actor.module, models.encoder)
     generator = torch.Generator()
@@ -67,7 +71,7 @@ def main(argv=None) -> int:
     envs = make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size
                      * (cfg.rollout.max_staleness + 1),
                      owner=f"{run.path.name}-rank{dist.rank}")
-    source = Rollouts(models.encoder, cfg, envs, dist.rank, dist.world_size, start)  # groups in admission order
+    source = Rollouts(models.encoder, cfg, envs, dist.rank, dist.world_size, start, admission)
     progress = Progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
     bad_steps_in_a_row, return_code, batch = 0, 0, None
     if start == 0:  # eval.before_training: the starting checkpoint (a resumed run has evaluated it already)
