@@ -350,8 +350,11 @@ class VLLMDecoder:
         only when no request is running. A request is seeded by its episode's row and turn exactly as in
         the per-turn schedule (`request_seed` of `turn_seed`), so what an episode samples depends on neither
         its batch nor the order in which requests finish. Request ids name the episode and turn; the prefix
-        cache serves each turn's history whatever request brought it. `engine_steps` and
-        `engine_sequences` count the forward passes and the requests they ran."""
+        cache serves each turn's history whatever request brought it. With rollout.max_staleness > 0 the game
+        closes once enough groups have ended: the requests running then finish, the episodes it holds wait
+        between turns (`Game.waiting`), and the loop returns once nothing runs; the next rollout sends them
+        on with the synced weights. `engine_steps` and `engine_sequences` count the forward passes and the
+        requests they ran."""
         from vllm.sampling_params import RequestOutputKind
 
         if self.asleep:
