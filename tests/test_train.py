@@ -23,7 +23,8 @@ def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("config", available_configs())
+# multitask_visual's tasks share out level groups in proportions FAST's 2 groups do not meet (tests/test_tasks.py)
+@pytest.mark.parametrize("config", [name for name in available_configs() if name != "multitask_visual"])
 def test_two_iterations_of_each_config(config, tmp_path, model_cache, distributed):
     run, overrides = _run(config, tmp_path, model_cache)
     records = _metrics(run)

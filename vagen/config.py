@@ -1239,6 +1239,9 @@ def _resolve_tasks(raw: dict, after: list[str], overrides: list[str], require_ch
         if task.env:
             resolved.append(task)
             continue
+        if task.groups < 1:
+            raise ConfigError(f"rollout.tasks[{i}] ({task.name or task.config}) groups={task.groups} must be >= 1 "
+                              f"(level groups of the task per iteration); drop the task instead")
         if not task.config:
             raise ConfigError(f"rollout.tasks[{i}] names no environment config; write each task as "
                               f"{{config: sokoban_visual, groups: 2}} (configs: {', '.join(available_configs())})")

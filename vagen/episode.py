@@ -118,6 +118,7 @@ class Episode:
     segments: list[Segment] = field(default_factory=list)  # rollout.context=window: every observation so far
     # This rank's number of the episode's group, counted over the run in admission order (rollout.max_staleness)
     admission: int = 0
+    task: str = ""  # rollout.tasks: the name of the task the episode belongs to ("" in a run of one environment)
 
     @property
     def total_reward(self) -> float:

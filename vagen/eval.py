@@ -194,6 +194,41 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
     return summary
 
 
+def evaluate_tasks(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0, dist=None,
+                   with_baselines: bool = True, desc: str | None = None, decoder=None,
+                   tasks: list[str] | None = None) -> dict:
+    """`evaluate` on each task of rollout.tasks (`tasks`: those named, default all), each on `episodes` of its own
+    held-out levels under its own environment config, into `out_dir/<task>` (results, videos and episode browser
+    of its own); `out_dir/results.md` and `results.json` hold every task's row. Returns the summary with each
+    task's numbers under `<task>/...` and, over all its tasks' episodes, success, return and format_ok. A run of
+    one environment: `evaluate` itself."""
+    from vagen.config import task_configs
+
+    if not cfg.rollout.tasks:
+        return evaluate(model, encoder, cfg, episodes, out_dir, videos, dist, with_baselines, desc, decoder)
+    out_dir, summary, rows = Path(out_dir), {"videos": 0}, {}
+    for name, sub in task_configs(cfg):
+        if tasks and name not in tasks:
+            continue
+        part = evaluate(model, encoder, sub, episodes, out_dir / name, videos, dist, with_baselines,
+                        f"{desc} {name}" if desc else None, decoder)
+        rows[name] = part
+        summary["videos"] += part.pop("videos")
+        summary.update({f"{name}/{key}": value for key, value in part.items()})
+    for key in ("success", "return", "format_ok"):  # every task plays the same number of episodes
+        values = [part[key] for part in rows.values() if part.get(key) is not None]
+        summary[key] = float(np.mean(values)) if values else None
+    if dist is None or dist.rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tables = [(out_dir / name / "results.md").read_text() for name in rows]
+        links = "".join(f"- {name}: [results]({name}/results.md), [episodes]({name}/index.html)\n" for name in rows)
+        (out_dir / "results.md").write_text(f"{links}\n" + "\n".join(tables))
+        (out_dir / "results.json").write_text(json.dumps(
+            {"config": cfg.name, "tasks": {name: json.loads((out_dir / name / "results.json").read_text())
+                                           for name in rows}}, indent=2))
+    return summary
+
+
 def results_table(env_name: str, model: dict, references: dict) -> str:
     header = ("| policy | episodes | success (95% CI) | return | turns | actions | format ok | action valid "
               "| response length |\n|---|---|---|---|---|---|---|---|---|\n")
@@ -341,6 +376,22 @@ def choose_config(config: str | list[str] | None, checkpoint_arg: str, checkpoin
     return cfg, config, warning
 
 
+def check_tasks(cfg, names: list[str] | None) -> None:
+    """`--task NAME`: a task of the config's rollout.tasks."""
+    from vagen.config import ConfigError, _closest
+
+    if not names:
+        return
+    choices = [task.name for task in cfg.rollout.tasks]
+    if not choices:
+        raise ConfigError(f"--task {names[0]}: config {cfg.name} trains one environment ({cfg.env.name}), not "
+                          f"rollout.tasks; leave --task out")
+    for name in names:
+        if name not in choices:
+            raise ConfigError(f"--task {name} is not a task of config {cfg.name}{_closest(name, choices)} tasks: "
+                              f"{', '.join(choices)}")
+
+
 def _suggested_config(checkpoint: Path) -> str:
     """The config a shipped warm start's card names, else a config name to show as an example."""
     card = checkpoint / "card.json"
@@ -362,6 +413,9 @@ def main(argv=None) -> int:
     parser.add_argument("--videos", type=int, default=None, help="episode videos (default eval.videos)")
     parser.add_argument("--out", default=None, help="output directory (default <checkpoint>/eval; for assets:NAME "
                                                      "<train.run_dir>/eval/NAME)")
+    parser.add_argument("--task", default=None, action="append",
+                        help="a config with rollout.tasks: evaluate this task only (its name in metrics, e.g. "
+                             "sokoban_visual); repeat for several; default: every task")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -370,6 +424,7 @@ def main(argv=None) -> int:
     checkpoint = resolve_checkpoint(args.checkpoint)
     try:
         cfg, source, warning = choose_config(args.config, args.checkpoint, checkpoint, args.overrides)
+        check_tasks(cfg, args.task)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -401,8 +456,9 @@ def main(argv=None) -> int:
     if rank == 0:
         if warning:
             print(warning, file=sys.stderr, flush=True)
-        print(f"evaluating {checkpoint} on {episodes} held-out {cfg.env.name} episodes (config {cfg.name}: {source})",
-              flush=True)
+        what = ", ".join(args.task or [t.name for t in cfg.rollout.tasks]) or cfg.env.name
+        print(f"evaluating {checkpoint} on {episodes} held-out {what} episodes{' per task' if cfg.rollout.tasks else ''} "
+              f"(config {cfg.name}: {source})", flush=True)
     encoder = ChatEncoder(processor)
     decoder = None
     if cfg.rollout.backend == "vllm":  # an engine over the evaluated checkpoint itself, on each rank
@@ -412,8 +468,8 @@ def main(argv=None) -> int:
                               episodes=max(1, -(-episodes // dist.world_size)),  # the rank's share (`evaluate`)
                               trajectory_length=cfg.rollout.max_trajectory_length, **settings_from(cfg))
     try:
-        summary = evaluate(model, encoder, cfg, episodes, out, videos=videos, dist=dist,
-                           desc="eval" if rank == 0 else None, decoder=decoder)
+        summary = evaluate_tasks(model, encoder, cfg, episodes, out, videos=videos, dist=dist,
+                                 desc="eval" if rank == 0 else None, decoder=decoder, tasks=args.task)
     finally:
         if decoder is not None:
             decoder.close()

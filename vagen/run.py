@@ -45,7 +45,9 @@ def reduce_metrics(stats: dict[str, float], dist: Dist) -> dict[str, float]:
     out = {}
     for key in sorted({k for g in gathered for k in g}):
         values = [float(g[key]) for g in gathered if key in g]
-        out[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
+        summed = key in SUMMED_METRICS or key.startswith("rollout/") and f"rollout/{key.rsplit('/', 1)[-1]}" in \
+            SUMMED_METRICS  # a task's counts too (rollout/<task>/env_errors)
+        out[key] = sum(values) if summed else sum(values) / len(values)
     return out
 
 
@@ -161,12 +163,13 @@ class RunDir:
         due = cfg.eval.before_training if it < 0 else every > 0 and (it + 1) % every == 0
         if not due:
             return {}
-        from vagen.eval import evaluate
+        from vagen.eval import evaluate_tasks
 
-        summary = evaluate(model, encoder, cfg, cfg.eval.episodes, self.path / "eval" / f"step_{it + 1}",
-                           videos=cfg.eval.videos, dist=self.dist, with_baselines=False,
-                           desc=f"eval step_{it + 1}" if cfg.log.progress and self.is_main else None,
-                           decoder=decoder)
+        # with rollout.tasks each task on its own held-out levels, into eval/step_N/<task>
+        summary = evaluate_tasks(model, encoder, cfg, cfg.eval.episodes, self.path / "eval" / f"step_{it + 1}",
+                                 videos=cfg.eval.videos, dist=self.dist, with_baselines=False,
+                                 desc=f"eval step_{it + 1}" if cfg.log.progress and self.is_main else None,
+                                 decoder=decoder)
         return {f"eval/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
     def maybe_save(self, it: int, cfg: Config, actor_engine, critic_engine, processor, monitor,

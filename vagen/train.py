@@ -47,8 +47,8 @@ def main(argv=None) -> int:
     from vagen.console import Progress
     from vagen.rollout import Rollouts, close_envs, make_decoder, make_envs
     from vagen.run import RunDir, reduce_metrics
-    from vagen.staleness import Admission
     from vagen.state_reward import state_rewarder
+    from vagen.tasks import TaskRollouts
 
     torch.manual_seed(cfg.train.seed + dist.rank)
     run = RunDir.create(cfg, dist)
@@ -58,9 +58,6 @@ def main(argv=None) -> int:
     rewarder = state_rewarder(cfg, dist)
     # What a resumed run must restore besides the engines (the state reward's recent descriptions).
     tracked = {"state_reward": rewarder.tracker} if rewarder is not None else {}
-    # and the count of level groups admitted and ended (rollout.max_staleness), which numbers the next ones
-    admission = Admission(cfg.rollout.env_groups // dist.world_size, cfg.rollout.max_staleness)
-    tracked["admission"] = admission
     start = run.maybe_resume(cfg, models.actor, models.critic, monitor, tracked)
     decoder = make_decoder(cfg, models.actor.module, models.encoder)
     generator = torch.Generator()
@@ -68,10 +65,14 @@ def main(argv=None) -> int:
     # costs ~0.1 s to create and holds a GL context. With env.workers > 0, the workers hold them (Ray actors
     # in a namespace of this run and rank with env.backend=ray).
     # rollout.max_staleness = k: up to k + 1 shares of groups in flight, the carried ones and the new ones
-    envs = make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size
+    envs = None if cfg.rollout.tasks else make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size
                      * (cfg.rollout.max_staleness + 1),
                      owner=f"{run.path.name}-rank{dist.rank}")
-    source = Rollouts(models.encoder, cfg, envs, dist.rank, dist.world_size, start, admission)
+    if cfg.rollout.tasks:  # several tasks: a rollout source and environments per task (vagen.tasks)
+        source = TaskRollouts(models.encoder, cfg, dist.rank, dist.world_size, start, f"{run.path.name}-rank{dist.rank}")
+        envs = source.all_envs()
+    else:
+        source = Rollouts(models.encoder, cfg, envs, dist.rank, dist.world_size, start)  # groups in admission order
     progress = Progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
     bad_steps_in_a_row, return_code, batch = 0, 0, None
     if start == 0:  # eval.before_training: the starting checkpoint (a resumed run has evaluated it already)
@@ -278,7 +279,7 @@ def kept_samples(cfg, dist, models: Models, played: list):
     from vagen.update import plan_groups, share_groups
 
     plan = plan_groups([ep.total_reward for ep in played], [ep.group_id for ep in played], cfg, dist.rank,
-                       dist.world_size)
+                       dist.world_size, tasks=[ep.task for ep in played])  # groups ranked within their task
     samples = [sample for index, ep in enumerate(played) if plan.keeps(dist.rank, ep.group_id)
                for sample in episode_samples(ep, models.encoder, models.actor.module, index)]
     samples = share_groups(samples, plan, dist.rank, dist.world_size)

@@ -50,6 +50,7 @@ class Sample:
     # with the group id they gather an episode's turn samples back into its trajectory (`vagen.update`)
     episode_index: int | None = None
     turn_index: int | None = None
+    task: str = ""  # rollout.tasks: the episode's task, whose samples are whitened together (`vagen.update`)
 
     def __post_init__(self):
         if self.sampled_mask is None:
@@ -133,7 +134,7 @@ def _sample(episode: Episode, turns: list, input_ids: list[int], pixel_values: l
         position_ids = torch.arange(L)
     return Sample(ids, position_ids, pixel_values=pixels, image_grid_thw=grids, group_id=episode.group_id,
                   score=episode.total_reward, seed=episode.seed, extra=extra,
-                  state_keys=[turn.state_key for turn in turns], **where, **masks)
+                  state_keys=[turn.state_key for turn in turns], task=episode.task, **where, **masks)
 
 
 def collate(samples: list[Sample], pad_id: int, fields: tuple[str, ...] = (),

@@ -183,19 +183,24 @@ class GroupPlan:
         return rank * self.span + group_id in self.destination
 
 
-def plan_groups(scores: list[float], group_ids: list[int], cfg, rank: int = 0, world_size: int = 1) -> GroupPlan:
+def plan_groups(scores: list[float], group_ids: list[int], cfg, rank: int = 0, world_size: int = 1,
+                tasks: list[str] | None = None) -> GroupPlan:
     """StarPO-S over the groups of every rank: keep the groups whose rewards vary most across the whole
     iteration (not per rank), then share the kept groups out so that ranks hold equal numbers of them
     (a rank keeps its own groups up to its share; the rest move). Every rank computes the same plan
     from every rank's (scores, group ids), and refuses the same way when fewer groups are kept than
-    there are ranks, so that no rank is left waiting in a collective for one that raised."""
+    there are ranks, so that no rank is left waiting in a collective for one that raised. `tasks`: each
+    trajectory's task (rollout.tasks), whose groups are ranked among themselves only (`filter_by_task`), so
+    that a task with larger rewards does not crowd out the others."""
     algo = cfg.algo
-    meta = gather_objects((list(scores), list(group_ids)), active=world_size > 1)
-    span = max(max(ids, default=-1) for _, ids in meta) + 1
-    all_scores = torch.tensor([x for sc, _ in meta for x in sc], dtype=torch.float64)
-    owners = [r for r, (sc, _) in enumerate(meta) for _ in sc]
-    global_ids = torch.tensor([r * span + g for r, (_, ids) in enumerate(meta) for g in ids], dtype=torch.long)
-    keep, stats = core.filter_groups_by_reward_std(all_scores, global_ids, algo.filter_keep_ratio, algo.filter_mode)
+    tasks = list(tasks) if tasks is not None else [""] * len(scores)
+    meta = gather_objects((list(scores), list(group_ids), tasks), active=world_size > 1)
+    span = max(max(ids, default=-1) for _, ids, _ in meta) + 1
+    all_scores = torch.tensor([x for sc, _, _ in meta for x in sc], dtype=torch.float64)
+    owners = [r for r, (sc, _, _) in enumerate(meta) for _ in sc]
+    global_ids = torch.tensor([r * span + g for r, (_, ids, _) in enumerate(meta) for g in ids], dtype=torch.long)
+    keep, stats = filter_by_task(all_scores, global_ids, [t for _, _, names in meta for t in names],
+                                 algo.filter_keep_ratio, algo.filter_mode)
     kept = sorted({int(global_ids[i]) for i in keep.tolist()})
     if world_size > 1 and len(kept) < world_size:
         played = sorted(set(global_ids.tolist()))
@@ -221,6 +226,29 @@ def plan_groups(scores: list[float], group_ids: list[int], cfg, rank: int = 0, w
     return GroupPlan(destination, span, stats)
 
 
+def filter_by_task(scores: torch.Tensor, group_ids: torch.Tensor, tasks: list[str], keep_ratio: float,
+                   mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+    """`core.filter_groups_by_reward_std` within each task's trajectories (scores [B], group_ids [B], `tasks` B
+    names; a group lies within one task): each task keeps its share of its own groups. Returns the kept indices
+    [K] ascending and the filter's metrics over all tasks (counts summed, stds averaged over groups)."""
+    names = sorted(set(tasks))
+    if len(names) <= 1:
+        return core.filter_groups_by_reward_std(scores, group_ids, keep_ratio, mode)
+    kept, totals = [], {"kept_groups": 0.0, "total_groups": 0.0, "kept_trajectories": 0.0}
+    std_sums = {"reward_std_before": 0.0, "reward_std_after": 0.0}
+    for name in names:
+        rows = torch.tensor([i for i, task in enumerate(tasks) if task == name], dtype=torch.long)
+        keep, stats = core.filter_groups_by_reward_std(scores[rows], group_ids[rows], keep_ratio, mode)
+        kept.append(rows[keep])
+        for key in totals:
+            totals[key] += stats[key]
+        std_sums["reward_std_before"] += stats["reward_std_before"] * stats["total_groups"]
+        std_sums["reward_std_after"] += stats["reward_std_after"] * stats["kept_groups"]
+    stats = {**totals, "reward_std_before": std_sums["reward_std_before"] / max(totals["total_groups"], 1.0),
+             "reward_std_after": std_sums["reward_std_after"] / max(totals["kept_groups"], 1.0)}
+    return torch.sort(torch.cat(kept)).values, stats
+
+
 def share_groups(samples: list[Sample], plan: GroupPlan, rank: int = 0, world_size: int = 1) -> list[Sample]:
     """This rank's samples of the kept groups played here (their group ids made global), sent to the ranks
     the plan says, and the ones the plan sends here; ordered by group id."""
@@ -236,7 +264,8 @@ def share_groups(samples: list[Sample], plan: GroupPlan, rank: int = 0, world_si
 
 def filter_groups(samples: list[Sample], cfg, rank: int = 0, world_size: int = 1) -> tuple[list[Sample], dict]:
     """`plan_groups` over the samples' scores, then `share_groups`: the samples this rank trains."""
-    plan = plan_groups([s.score for s in samples], [s.group_id for s in samples], cfg, rank, world_size)
+    plan = plan_groups([s.score for s in samples], [s.group_id for s in samples], cfg, rank, world_size,
+                       tasks=[s.task for s in samples])
     return share_groups(samples, plan, rank, world_size), plan.stats
 
 
@@ -259,6 +288,7 @@ class Trajectory:
     score: float
     seed: int
     state_keys: list | None
+    task: str = ""
 
 
 class TrajectoryLayout:
@@ -273,7 +303,8 @@ class TrajectoryLayout:
         self.rows = trajectory_rows(samples)
         self.identity = all(len(row) == 1 for row in self.rows) and all(s.turn_index is None for s in samples)
         self.trajectories = [Trajectory(samples[row[0]].group_id, samples[row[0]].score, samples[row[0]].seed,
-                                        [key for i in row for key in (samples[i].state_keys or [])]) for row in self.rows]
+                                        [key for i in row for key in (samples[i].state_keys or [])],
+                                        samples[row[0]].task) for row in self.rows]
         if self.identity:
             return
         src_rows, src_cols, dst_rows, dst_cols = [], [], [], []
@@ -350,8 +381,9 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
     else:
         raise ValueError(f"unknown algo.adv_estimator {algo.adv_estimator!r}; choices: turn_gae, gae, grpo, gigpo")
     if algo.whiten_advantages and algo.adv_estimator not in ("grpo", "gigpo"):
-        # over every rank's batch, as one process with the whole batch would
-        advantages = core.masked_whiten(advantages, loss_mask, reduce=all_reduce)
+        # over every rank's batch, as one process with the whole batch would; per task with rollout.tasks
+        advantages = whiten_by_task(advantages, loss_mask, [t.task for t in trajectories],
+                                    [task.name for task in cfg.rollout.tasks])
     # Only tokens the policy drew get policy gradient: an appended <|im_end|> keeps its advantage (the
     # turn's value and reward sit there) but is out of adv_mask.
     adv_mask = core.select_critical_tokens(sampled_mask, batch["answer_mask"], batch["think_mask"],
@@ -366,6 +398,22 @@ def compute_advantages(samples: list[Sample], cfg) -> dict[str, float]:
         sample.extra["returns"] = returns[row, :n]
         sample.extra["adv_mask"] = adv_mask[row, :n]
     return metrics
+
+
+def whiten_by_task(advantages: torch.Tensor, loss_mask: torch.Tensor, tasks: list[str], names: list[str],
+                   reduce=all_reduce) -> torch.Tensor:
+    """`core.masked_whiten` over every rank's batch ([T, N] rows, `tasks` the T rows' task names), within each
+    task of `names` (rollout.tasks, the same list on every rank, so that each rank joins the same reductions
+    even where it holds no row of a task): each task's advantages get mean 0 and variance 1 of their own, so
+    that no task's reward scale sets another's step size. `names` empty: over the whole batch."""
+    if not names:
+        return core.masked_whiten(advantages, loss_mask, reduce=reduce)
+    out = torch.zeros_like(advantages)
+    for name in names:
+        rows = torch.tensor([task == name for task in tasks], dtype=torch.bool)[:, None]
+        mask = loss_mask * rows.to(loss_mask.dtype)
+        out = out + core.masked_whiten(advantages, mask, reduce=reduce)
+    return out
 
 
 def gigpo_token_advantages(samples: list[Trajectory], batch: dict[str, torch.Tensor], algo):

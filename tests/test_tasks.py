@@ -1,0 +1,209 @@
+"""Several tasks in one run (rollout.tasks): the config, group ids that never mix tasks, the per-task filter and
+whitening, per-task metrics, and an iteration of configs/multitask_visual.yaml."""
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+from scripted import ScriptedDecoder
+
+from envs_visual.base import format_response
+from vagen.config import ConfigError, check_ranks, from_dict, load_configs, main, task_configs, to_yaml
+
+TEXT_TASKS = "rollout.tasks=[{config: sokoban_text, groups: 2}, {config: frozenlake_text, groups: %d}]"
+TASK_KEYS = ("max_turns", "max_new_tokens", "max_trajectory_length")
+
+
+def _own(name, *more):
+    cfg = load_configs([name, *more], require_checkpoint=False)
+    return {key: getattr(cfg.rollout, key) for key in TASK_KEYS}, cfg.env
+
+
+def test_each_task_keeps_its_environment_config():
+    cfg = load_configs("multitask_visual")
+    assert [(t.name, t.groups) for t in cfg.rollout.tasks] == [("sokoban_visual", 2), ("frozenlake_visual", 1),
+                                                              ("navigation_visual", 1)]
+    for task in cfg.rollout.tasks:
+        rollout, env = _own(task.config)
+        assert task.rollout == rollout
+        assert task.env == dict(env.__dict__)
+    # the run's env is the first task's, its lengths the largest (navigation's 5 turns), its groups their sum
+    assert cfg.env.name == "sokoban" and cfg.rollout.max_turns == 5 and cfg.rollout.env_groups == 4
+    subs = dict(task_configs(cfg))
+    assert subs["navigation_visual"].env.max_actions_per_turn == 5
+    assert (subs["frozenlake_visual"].env.name, subs["frozenlake_visual"].rollout.max_turns,
+            subs["frozenlake_visual"].rollout.env_groups) == ("frozenlake", 3, 1)
+    # a run's saved config.yaml holds the resolved tasks and reproduces the config alone
+    assert from_dict(yaml.safe_load(to_yaml(cfg)), cfg.name) == cfg
+
+
+def test_a_recipe_after_the_tasks_keeps_each_tasks_turns_and_lengths():
+    cfg = load_configs(["multitask_visual", "recipes/qwen3-vl-4b"], require_checkpoint=False)
+    for task in cfg.rollout.tasks:
+        rollout, env = _own(task.config, "recipes/qwen3-vl-4b")
+        assert task.rollout == rollout, task.name
+        assert task.env["params"] == env.params, task.name
+    sokoban, frozenlake, navigation = cfg.rollout.tasks
+    assert sokoban.rollout == {"max_turns": 5, "max_new_tokens": 512, "max_trajectory_length": 5000}
+    assert frozenlake.rollout == {"max_turns": 3, "max_new_tokens": 200, "max_trajectory_length": 2400}
+    assert navigation.env["params"] == {"image_width": 128, "image_height": 128}
+    # the recipe's 32 level groups shared out 2:1:1
+    assert [t.groups for t in cfg.rollout.tasks] == [16, 8, 8] and cfg.rollout.env_groups == 32
+
+
+def test_command_line_turns_and_env_settings_apply_to_every_task():
+    cfg = load_configs("multitask_visual", ["rollout.max_turns=2", "env.step_timeout=30"])
+    assert [t.rollout["max_turns"] for t in cfg.rollout.tasks] == [2, 2, 2]
+    assert [t.env["step_timeout"] for t in cfg.rollout.tasks] == [30.0, 30.0, 30.0]
+    assert [t.rollout["max_new_tokens"] for t in cfg.rollout.tasks] == [64, 64, 48]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.tasks=[{config: sokobn_visual, groups: 1}]",
+     r"rollout.tasks\[0\] \(config: sokobn_visual\): unknown config 'sokobn_visual'; did you mean 'sokoban_visual'"),
+    ("rollout.tasks=[{config: sokoban_visual, grups: 1}]",
+     r"rollout.tasks\[0\]: unknown key 'grups'; did you mean 'groups'\? keys: config, groups, name"),
+    ("rollout.tasks=[{config: sokoban_visual, groups: 0}]", r"rollout.tasks\[0\] \(sokoban_visual\) groups=0 must be >= 1"),
+    ("rollout.tasks=[sokoban_visual]", r"rollout.tasks\[0\]: expected a mapping with keys config, groups"),
+    ("rollout.tasks=[{config: sokoban_visual, groups: 1}, {config: sokoban_visual, groups: 1}]",
+     r"rollout.tasks names sokoban_visual more than once"),
+    ("rollout.tasks=[{config: multitask_visual, groups: 1}]", r"lists tasks of its own"),
+    ("rollout.env_groups=6", r"rollout.env_groups=6 cannot be shared out in the proportions of rollout.tasks "
+                             r"\(sokoban_visual 2, frozenlake_visual 1, navigation_visual 1 of 4\).*a multiple of 4"),
+])
+def test_task_mistakes_are_refused_saying_how_to_fix(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_configs("multitask_visual", [override])
+
+
+def test_each_tasks_groups_are_checked_against_the_ranks(capsys):
+    cfg = load_configs("multitask_visual")
+    check_ranks(cfg, 1)
+    with pytest.raises(ConfigError, match=r"rollout.tasks\[1\] \(frozenlake_visual\) groups=1 must be divisible by "
+                                          r"the 2 ranks"):
+        check_ranks(cfg, 2)
+    check_ranks(load_configs("multitask_visual", ["rollout.env_groups=8"]), 2)  # 4, 2, 2
+    assert main(["multitask_visual", "--ranks", "2"]) == 2
+    assert "frozenlake_visual) groups=1 must be divisible by the 2 ranks" in capsys.readouterr().err
+
+
+def _text_tasks(*overrides, frozenlake_groups=1):
+    return load_configs(None, [TEXT_TASKS % frozenlake_groups, "rollout.group_size=2", "rollout.max_turns=2",
+                               "train.mini_batch_size=4", "model.path=builtin:tiny-text", *overrides])
+
+
+def _play(cfg, tiny_text, rank=0, world_size=1):
+    from vagen.episode import ChatEncoder
+    from vagen.rollout import close_envs
+    from vagen.tasks import TaskRollouts
+
+    encoder = ChatEncoder(tiny_text[2])
+    source = TaskRollouts(encoder, cfg, rank, world_size)
+    sokoban = cfg.rollout.tasks[0].env["prompt_format"]
+    # every slot answers a valid move; FrozenLake's rows answer without the format
+    script = {row: [format_response(sokoban, "Left"), format_response(sokoban, "Right")] for row in range(4)}
+    try:
+        decoder = ScriptedDecoder(encoder, script)
+        frozen = {row: ["no format", "no format"] for row in range(4)}
+        # the tasks play one after the other, each from row 0: answer FrozenLake's rows from their own script
+        plays = []
+        original = decoder.start_rollout
+
+        def start_rollout():
+            plays.append(len(plays))
+            decoder.script = script if len(plays) == 1 else frozen
+            original()
+
+        decoder.start_rollout = start_rollout
+        episodes, stats = source.play(decoder, version=0)
+    finally:
+        close_envs(source.all_envs())
+    return episodes, stats
+
+
+def test_group_ids_never_mix_tasks(tiny_text):
+    episodes, _ = _play(_text_tasks(), tiny_text)
+    # hand-checked: Sokoban's 2 groups of 2 (levels 0 and 1 of iteration 0), then FrozenLake's one (level 0)
+    assert [(ep.task, ep.env_name, ep.group_id, ep.seed) for ep in episodes] == [
+        ("sokoban_text", "sokoban", 0, 0), ("sokoban_text", "sokoban", 0, 0),
+        ("sokoban_text", "sokoban", 1, 1), ("sokoban_text", "sokoban", 1, 1),
+        ("frozenlake_text", "frozenlake", 2, 0), ("frozenlake_text", "frozenlake", 2, 0)]
+
+
+def test_group_ids_of_a_second_rank_never_mix_tasks(tiny_text):
+    episodes, _ = _play(_text_tasks(frozenlake_groups=2), tiny_text, rank=1, world_size=2)
+    # rank 1 plays the second level of each task: local ids 0 (Sokoban) and 1 (FrozenLake)
+    assert [(ep.task, ep.group_id, ep.seed) for ep in episodes] == [
+        ("sokoban_text", 0, 1), ("sokoban_text", 0, 1), ("frozenlake_text", 1, 1), ("frozenlake_text", 1, 1)]
+
+
+def test_per_task_metrics_beside_the_totals(tiny_text):
+    episodes, stats = _play(_text_tasks(), tiny_text)
+    per_task = ("success", "reward_mean", "turns", "actions", "format_ok", "action_valid", "action_effective",
+                "response_length", "truncated_trajectories", "env_errors")
+    expected = {f"rollout/{task}/{key}" for task in ("sokoban_text", "frozenlake_text") for key in per_task}
+    assert {k for k in stats if k.count("/") == 2} == expected
+    assert stats["rollout/sokoban_text/format_ok"] == 1.0 and stats["rollout/frozenlake_text/format_ok"] == 0.0
+    assert stats["rollout/frozenlake_text/actions"] == 0.0
+    assert stats["rollout/sokoban_text/turns"] == 2.0
+    sokoban = [ep for ep in episodes if ep.task == "sokoban_text"]
+    assert stats["rollout/sokoban_text/reward_mean"] == pytest.approx(sum(ep.total_reward for ep in sokoban) / 4)
+
+
+def test_the_reward_std_filter_ranks_groups_within_their_task():
+    from vagen.update import filter_by_task, plan_groups
+
+    # Sokoban's groups 0 and 1 (std 7.07 and 1.41) both vary more than FrozenLake's 2 and 3 (0.71 and 0)
+    scores = torch.tensor([0.0, 10.0, 0.0, 2.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    group_ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    tasks = ["sokoban"] * 4 + ["frozenlake"] * 4
+    keep, stats = filter_by_task(scores, group_ids, tasks, 0.5, "std")
+    assert keep.tolist() == [0, 1, 4, 5]  # a group of each task, not Sokoban's two
+    assert (stats["kept_groups"], stats["total_groups"], stats["kept_trajectories"]) == (2.0, 4.0, 4.0)
+    assert stats["reward_std_before"] == pytest.approx((math.sqrt(50) + math.sqrt(2) + math.sqrt(0.5)) / 4)
+    assert stats["reward_std_after"] == pytest.approx((math.sqrt(50) + math.sqrt(0.5)) / 2)
+    cfg = _text_tasks("algo.filter_mode=std", "algo.filter_keep_ratio=0.5", frozenlake_groups=2)
+    plan = plan_groups(scores.tolist(), group_ids.tolist(), cfg, tasks=tasks)
+    assert sorted(plan.destination) == [0, 2]
+    assert sorted(plan_groups(scores.tolist(), group_ids.tolist(), cfg).destination) == [0, 1]  # one task: global
+
+
+def test_advantages_are_whitened_within_each_task():
+    from vagen.update import whiten_by_task
+
+    advantages = torch.tensor([[10.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
+    tasks = ["sokoban", "sokoban", "frozenlake", "frozenlake"]
+    out = whiten_by_task(advantages, mask, tasks, ["sokoban", "frozenlake"], reduce=None)
+    # each task's two values: mean 5 (0.5), unbiased variance 50 (0.5), so +-1/sqrt(2) in both tasks
+    half = 1 / math.sqrt(2)
+    assert out[:, 0].tolist() == pytest.approx([half, -half, half, -half], abs=1e-6)
+    assert out[:, 1].tolist() == [0.0] * 4
+    assert whiten_by_task(advantages, mask, tasks, [], reduce=None)[2, 0] < 0  # one whitening: FrozenLake's 1 is low
+
+
+def test_multitask_visual_trains_an_iteration_with_per_task_success(tmp_path, model_cache, distributed):
+    from vagen.train import main as train
+
+    overrides = ["train.iterations=1", "rollout.group_size=2", "rollout.max_turns=1", "train.mini_batch_size=8",
+                 "log.progress=false", f"train.run_dir={tmp_path}", f"model.builtin_cache={model_cache}"]
+    assert train(["--config", "multitask_visual", *overrides]) == 0
+    run = next(p for p in tmp_path.iterdir() if p.is_dir())
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    tasks = ("sokoban_visual", "frozenlake_visual", "navigation_visual")
+    for task in tasks:
+        for key in ("success", "reward_mean", "format_ok", "turns"):
+            assert f"rollout/{task}/{key}" in record, (task, key)
+        assert record[f"rollout/{task}/turns"] == 1.0
+    # the total is over every episode: 4 of Sokoban, 2 of FrozenLake, 2 of navigation
+    weights = {"sokoban_visual": 4, "frozenlake_visual": 2, "navigation_visual": 2}
+    assert record["rollout/success"] == pytest.approx(sum(weights[t] * record[f"rollout/{t}/success"]
+                                                          for t in tasks) / 8)
+    assert record["rollout/reward_mean"] == pytest.approx(sum(weights[t] * record[f"rollout/{t}/reward_mean"]
+                                                              for t in tasks) / 8)
+    assert record["rollout/filter_total_groups"] == 4.0 and "actor/pg_loss" in record
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert [t["name"] for t in saved["rollout"]["tasks"]] == list(tasks)
+    assert from_dict(saved, "multitask_visual") == load_configs("multitask_visual", overrides)
