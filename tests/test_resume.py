@@ -13,7 +13,7 @@ from child_env import child_env
 from safetensors.torch import load_file
 
 from vagen.config import load_config
-from vagen.run import ResumeError, check_resume_layout, find_checkpoint, saved_layout
+from vagen.run import ResumeError, check_resume_layout, find_checkpoint, prune_checkpoints, saved_layout
 
 WORKER = Path(__file__).parent / "kill_worker.py"
 RUN = ["--config", "sokoban_text", "train.iterations=5", "train.save_every=1", "rollout.env_groups=2",
@@ -70,12 +70,48 @@ def test_a_killed_run_resumes_exactly(tmp_path, model_cache):
             assert torch.equal(weights[key], value), f"{name}: {key}"
 
 
-def test_keep_checkpoints_keeps_the_newest(tmp_path, model_cache):
-    done = _train(tmp_path, model_cache, "kept", "train.iterations=3", "train.keep_checkpoints=2")
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_prune_checkpoints_keeps_the_newest_and_the_one_latest_names(tmp_path):
+    for name in ("step_2", "step_10", "step_9", "step_3.tmp", "step_x"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "latest").write_text("step_2")
+    prune_checkpoints(tmp_path, 5)  # fewer than 5: nothing goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_10", "step_2", "step_3.tmp", "step_9",
+                                                         "step_x"]
+    prune_checkpoints(tmp_path, 1)  # by step number, not by name; latest's checkpoint and other names stay
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_10", "step_2", "step_3.tmp", "step_x"]
+    (tmp_path / "latest").write_text("step_10")
+    prune_checkpoints(tmp_path, 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_10", "step_3.tmp", "step_x"]
+
+
+@pytest.mark.parametrize("keep", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+def test_keep_checkpoints_never_holds_more_than_keep_plus_one(tmp_path, model_cache, distributed, monkeypatch, keep):
+    """The checkpoints on disk while each one's engine states are written, and at the end: the oldest go
+    before the write down to keep - 1, never the newest complete one (at keep 1 it stays until the new one
+    is complete)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from vagen.train import main
+
     checkpoints = tmp_path / "kept" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_2", "step_3"]
-    assert (checkpoints / "latest").read_text() == "step_3"
+    during, real_save = [], DeepSpeedEngine.save_checkpoint
+
+    def save_checkpoint(self, *a, **k):
+        during.append(sorted(p.name for p in checkpoints.iterdir()))
+        return real_save(self, *a, **k)
+
+    monkeypatch.setattr(DeepSpeedEngine, "save_checkpoint", save_checkpoint)
+    assert main([*SMALL, "train.iterations=4", "train.save_every=1", f"train.keep_checkpoints={keep}",
+                 f"train.run_dir={tmp_path}", "train.run_name=kept", f"model.builtin_cache={model_cache}"]) == 0
+    expected = {1: [["step_1.tmp"], ["latest", "step_1", "step_2.tmp"], ["latest", "step_2", "step_3.tmp"],
+                    ["latest", "step_3", "step_4.tmp"]],
+                2: [["step_1.tmp"], ["latest", "step_1", "step_2.tmp"], ["latest", "step_2", "step_3.tmp"],
+                    ["latest", "step_3", "step_4.tmp"]],
+                3: [["step_1.tmp"], ["latest", "step_1", "step_2.tmp"], ["latest", "step_1", "step_2", "step_3.tmp"],
+                    ["latest", "step_2", "step_3", "step_4.tmp"]]}
+    assert during == expected[keep]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", *[f"step_{n}" for n in range(5 - keep, 5)]]
+    assert (checkpoints / "latest").read_text() == "step_4"
 
 
 # -- which run train.resume=auto picks, and on how many ranks ----------------------------------------------

@@ -123,6 +123,10 @@ class RunDir:
                 load_path, _ = engine.load_checkpoint(str(states), tag=name, load_module_strict=not _has_frozen(engine))
                 if load_path is None:
                     raise FileNotFoundError(f"no {name} engine state under {states}; the checkpoint is incomplete")
+        if self.universal:  # loaded by every rank: the copy goes, and the checkpoint is its saved size again
+            barrier(self.dist)
+            if self.is_main:
+                shutil.rmtree(states)
         state = json.loads((ckpt / "trainer_state.json").read_text())
         if "monitor" in state:
             monitor.load_state_dict(state["monitor"])
@@ -246,12 +250,18 @@ def save_checkpoint(out: Path, it: int, actor_engine, critic_engine, processor, 
 
     Atomic: everything goes to `step_N.tmp/`, which becomes `step_N/` by a rename once complete, and
     only then does `checkpoints/latest` (replaced by a rename too) name it. A kill at any moment leaves
-    the previous complete checkpoint in place and named by `latest`. With `keep`, only the newest
-    `keep` checkpoints stay."""
+    the previous complete checkpoint in place and named by `latest`.
+
+    With `keep`, only the newest `keep` checkpoints stay, and the disk never holds more than max(keep, 2)
+    checkpoints, the one being written included: the oldest are removed before the write down to keep - 1
+    (never the one `latest` names, so at keep 1 the previous checkpoint stays until the new one is complete),
+    and the rest after it."""
     tmp = out.with_name(out.name + ".tmp")
     actor_state = _full_state_dict(actor_engine)
     critic_state = _full_state_dict(critic_engine) if critic_engine is not None else None
     if dist.rank == 0:
+        if keep:
+            prune_checkpoints(out.parent, keep - 1)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
@@ -274,12 +284,20 @@ def save_checkpoint(out: Path, it: int, actor_engine, critic_engine, processor, 
         os.replace(tmp, out)
         _write_atomically(out.parent / "latest", out.name)
         if keep:
-            steps = sorted((p for p in out.parent.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
-                           key=lambda p: int(p.name[5:]))
-            for old in steps[:-keep]:
-                if old != out:
-                    shutil.rmtree(old)
+            prune_checkpoints(out.parent, keep)
     barrier(dist)
+
+
+def prune_checkpoints(checkpoints: Path, keep: int) -> None:
+    """Remove all but the newest `keep` complete checkpoints (`step_N`) under `checkpoints`, never the one
+    `latest` names."""
+    latest = checkpoints / "latest"
+    named = latest.read_text().strip() if latest.exists() else None
+    steps = sorted((p for p in checkpoints.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+                   key=lambda p: int(p.name[5:]))
+    for old in steps[:max(0, len(steps) - keep)]:
+        if old.name != named:
+            shutil.rmtree(old)
 
 
 class ResumeError(ValueError):
@@ -397,18 +415,21 @@ def check_resume_layout(ckpt: Path, cfg: Config, world_size: int) -> bool:
     return True
 
 
-def to_universal(ckpt: Path, cfg: Config, world_size: int) -> Path:
+def to_universal(ckpt: Path, cfg: Config, world_size: int, workers: tuple[int, int] | None = None) -> Path:
     """`ckpt/universal/<actor|critic>`: the engine states of `ckpt` in DeepSpeed's universal form (its
     `ds_to_universal` script, run in a process of its own, whose memory goes with it), which any rank count
-    loads with the DeepSpeed config's `checkpoint.load_universal`. Written once, by rank 0, into
-    `universal.tmp` and renamed when complete; a later resume on another rank count reuses it. It takes
-    about as long as reading and writing the optimizer states once (minutes at 7B), while the other ranks
-    wait for at most train.dist_timeout_minutes."""
-    out = ckpt / "universal"
-    if (out / "done").exists():
+    loads with the DeepSpeed config's `checkpoint.load_universal`. Written by rank 0 into `universal.tmp`,
+    renamed when complete, and removed once every rank has loaded it (`RunDir.maybe_resume`): it is as large
+    as the optimizer states. It takes about as long as reading and writing them once (minutes at 7B), while
+    the other ranks wait for at most train.dist_timeout_minutes. `workers`: the script's processes that
+    extract the ranks' partitions and merge each parameter's; DeepSpeed's defaults (4, 2) for a checkpoint
+    of several ranks, (1, 1) for one of a single rank, whose one partition leaves nothing to share out."""
+    if workers is None:
+        workers = (4, 2) if (saved_layout(ckpt)[0] or 1) > 1 else (1, 1)
+    out, tmp = ckpt / "universal", ckpt / "universal.tmp"
+    if out.exists():  # complete (renamed once written): a resume stopped before every rank had loaded it
         print(f"train.resume: using the universal checkpoint converted before, {out}", flush=True)
         return out
-    tmp = ckpt / "universal.tmp"
     if tmp.exists():  # a conversion that was stopped
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -420,14 +441,13 @@ def to_universal(ckpt: Path, cfg: Config, world_size: int) -> Path:
     for name in sorted(p.name for p in (ckpt / "deepspeed").iterdir() if p.is_dir()):  # actor, critic
         command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                    str(ckpt / "deepspeed" / name), "--output_folder", str(tmp / name), "--inject_missing_state",
-                   "--num_extract_workers", "1", "--num_merge_workers", "1"]
+                   "--num_extract_workers", str(workers[0]), "--num_merge_workers", str(workers[1])]
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         if done.returncode != 0:
             raise ResumeError(
                 f"train.resume: converting {ckpt / 'deepspeed' / name} to a universal checkpoint failed (exit "
                 f"{done.returncode}), so it cannot resume on {world_size} rank(s); resume on the rank count it "
                 f"was saved on, or {_fresh_start(ckpt)}. The conversion said:\n{(done.stdout + done.stderr)[-3000:]}")
-    (tmp / "done").write_text(f"{time.perf_counter() - t0:.1f} s\n")
     os.replace(tmp, out)
     print(f"train.resume: converted in {time.perf_counter() - t0:.1f} s", flush=True)
     return out
