@@ -26,7 +26,7 @@ from vagen.decoding_vllm import DEFAULT_SETTINGS, VLLMDecoder
 from vagen.episode import ChatEncoder
 from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, load_policy, resolve_model_path
 from vagen.rollout import rollout
-from vagen.trajectory import collate, episode_to_sample
+from vagen.trajectory import collate, episode_to_sample, model_inputs
 from vagen.update import token_logprobs
 
 pytestmark = pytest.mark.vllm
@@ -35,6 +35,16 @@ TOLERANCE = 1e-4  # float32 on both sides: measured differences are ~1e-5
 # The mean KL to the base that one LoRA update at train.actor_lr=0.003 reaches on sokoban_text (measured 2.6e-3):
 # log-probabilities that differ from the base's by far more than TOLERANCE.
 KL_AFTER_LORA_UPDATE = 1e-3
+# Both sides' logits are bfloat16 numbers (8 significant bits): rounding them alone may move a token's logit and
+# the row's log-sum-exp by half a step each at the row's largest logit, on each side, so two bfloat16 computations
+# of one policy may differ by 2 steps in a log-probability from that rounding, and by about as much again from
+# the roundings of the hidden states before it. A bound in bfloat16's own steps (`bf16_steps`) holds whatever
+# bfloat16 kernels the processor has. Measured on an Intel Xeon with AMX-BF16 and AVX512-BF16, over 48 tokens:
+# Qwen3.5 0.37 steps before a sync and 1.05 after it, Qwen2.5-VL 0.32 before, and 267 steps from the synced
+# engine to the model before the step (tests/test_vllm_families.py); LoRA served as adapters in
+# tests/test_vllm_lora.py.
+BF16_STEPS = 4
+
 
 
 def require_vllm() -> None:
@@ -125,6 +135,20 @@ def trainer_logprobs(model, encoder: ChatEncoder, episode, temperature: float):
     batch = collate([sample], encoder.pad_id)
     logprobs, _ = token_logprobs(model, batch, temperature, with_entropy=False, suppress_ids=encoder.suppress_ids)
     return sample.input_ids.tolist(), logprobs[0]
+
+
+@torch.no_grad()
+def bf16_steps(model, encoder: ChatEncoder, episodes) -> torch.Tensor:
+    """For each sampled token of `episodes` (in `sampled_gaps`' order), the spacing of bfloat16 numbers at the
+    largest |logit| of the row the token was drawn from, under `model`: 2^(floor(log2 max|z|) - 7)."""
+    steps = []
+    for episode in episodes:
+        batch = collate([episode_to_sample(episode, encoder, model)], encoder.pad_id)
+        largest = model(**model_inputs(batch)).logits[0].float().abs().amax(-1)  # [L]: row t predicts token t + 1
+        for turn in episode.turns:
+            start = turn.span[0]
+            steps.append(largest[start - 1 : start - 1 + len(turn.sampled_logprobs)])
+    return torch.exp2(torch.floor(torch.log2(torch.cat(steps))) - 7)
 
 
 def sampled_gaps(model, encoder, episodes, temperature: float) -> list[float]:

@@ -15,40 +15,19 @@ import copy
 
 import pytest
 import torch
-from test_vllm import require_vllm, sampled_gaps
+from test_vllm import BF16_STEPS, bf16_steps, require_vllm, sampled_gaps
 
 from vagen.config import load_config
 from vagen.decoding_vllm import VLLMDecoder
 from vagen.episode import ChatEncoder
 from vagen.models import load_policy, resolve_model_path
 from vagen.rollout import rollout
-from vagen.trajectory import collate, episode_to_sample, model_inputs
+from vagen.trajectory import collate, episode_to_sample
 from vagen.update import token_logprobs
 
 pytestmark = pytest.mark.vllm
 
 TOLERANCE = 1e-4  # float32 on both sides
-# Both sides' logits are bfloat16 numbers (8 significant bits): rounding them alone may move a token's logit and
-# the row's log-sum-exp by half a step each at the row's largest logit, on each side, so two bfloat16 computations
-# of one policy may differ by 2 steps in a log-probability from that rounding, and by about as much again from
-# the roundings of the hidden states before it. Measured on an Intel Xeon with AMX-BF16 and AVX512-BF16, over
-# 48 tokens: 0.37 steps before a sync and 1.05 after it (Qwen2.5-VL's built-in in bfloat16: 0.32 before); the
-# synced engine against the model before the step: 267 steps.
-BF16_STEPS = 4
-
-
-@torch.no_grad()
-def bf16_steps(model, encoder: ChatEncoder, episodes) -> torch.Tensor:
-    """For each sampled token of `episodes` (in `sampled_gaps`' order), the spacing of bfloat16 numbers at the
-    largest |logit| of the row the token was drawn from, under `model`: 2^(floor(log2 max|z|) - 7)."""
-    steps = []
-    for episode in episodes:
-        batch = collate([episode_to_sample(episode, encoder, model)], encoder.pad_id)
-        largest = model(**model_inputs(batch)).logits[0].float().abs().amax(-1)  # [L]: row t predicts token t + 1
-        for turn in episode.turns:
-            start = turn.span[0]
-            steps.append(largest[start - 1 : start - 1 + len(turn.sampled_logprobs)])
-    return torch.exp2(torch.floor(torch.log2(torch.cat(steps))) - 7)
 
 
 def _gaps_before_and_after_a_sync(path, dtype: str, with_steps: bool = False):

@@ -1,7 +1,8 @@
 """LoRA with `rollout.backend=vllm` in bfloat16: the engine samples the adapted policy the trainer computes,
 with adapters as small as a few Adam steps at the README's train.actor_lr=1e-5 make them and as large as
 later training makes them. Measured as in tests/test_vllm.py: the engine's log-probability of each sampled
-token against the trainer's, here against the gap bfloat16 leaves between them without LoRA.
+token against the trainer's, within what bfloat16 represents (`BF16_STEPS` steps at the largest logit of the
+token's row, tests/test_vllm.py), as without LoRA.
 Marked `vllm` (run in the environment scripts/vllm_env.sh builds):
 
     .venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_lora.py
@@ -16,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from benchmark_scripts import load
+from test_vllm import BF16_STEPS, bf16_steps
 
 from vagen.config import load_config
 from vagen.decoding_vllm import VLLM_LORA_RANKS, lora_rank_slot
@@ -26,10 +28,9 @@ pytestmark = pytest.mark.vllm
 
 bench = load("bench_vllm_lora")
 
-# Mean |engine - trainer| sampled-token log-prob gap with LoRA, at most this multiple of the gap without it.
-# Measured on the CPU (2,000 tokens a row): adapters served as adapters 1.07x (b = 1e-4) to 1.19x (b = 1e-2),
-# from the bfloat16 order of the adapter's own product; merged into the weights 1.19x and 1.49x.
-GAP_RATIO_BOUND = 1.3
+# Measured on the CPU (docs/benchmarks.md, "LoRA with vLLM in bfloat16"): the mean gap with adapters served
+# as adapters is 1.07x (b = 1e-4) to 1.19x (b = 1e-2) the gap without LoRA; merged into the weights 1.19x and
+# 1.49x. Each token is held here to bfloat16's own steps instead of to that ratio of two noisy quantities.
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +48,12 @@ def bf16_engine(tmp_path_factory, model_cache):
     decoder.close()
 
 
-def mean_gap(policy, encoder, decoder, checkpoint, rollouts: int = 2) -> float:
+def gaps_in_bf16_steps(policy, encoder, decoder, checkpoint) -> torch.Tensor:
+    """|engine - trainer| of every token sampled from `policy` (16 episodes of 2 turns), in bfloat16 steps."""
     cfg = load_config("sokoban_visual", [f"model.path={checkpoint}", "model.dtype=bfloat16", "rollout.max_turns=2",
                                          "rollout.max_new_tokens=32", "rollout.temperature=1.0"])
-    gaps = [bench.sampled_gaps(policy, encoder, bench.play(policy, encoder, decoder, cfg, train_seeds(0, 8), 2, k),
-                               1.0) for k in range(rollouts)]
-    return torch.cat(gaps).mean().item()
+    episodes = bench.play(policy, encoder, decoder, cfg, train_seeds(0, 8), 2, 0)
+    return bench.sampled_gaps(policy, encoder, episodes, 1.0) / bf16_steps(policy, encoder, episodes)
 
 
 def test_lora_rank_slot_is_the_smallest_vllm_rank_that_holds_the_adapters():
@@ -71,17 +72,16 @@ def test_merging_small_adapters_into_bfloat16_weights_loses_most_of_them():
     assert share_large < 0.03 and error_large < 0.03, (share_large, error_large)
 
 
-@pytest.mark.slow  # ~4 min on 2 cores: four rollouts of 16 episodes, each token's log-prob recomputed
+@pytest.mark.slow  # ~1 min a case on 2 cores: a rollout of 16 episodes, each token's log-prob recomputed
 @pytest.mark.parametrize("b", [1e-4, 1e-2], ids=["10-steps", "1000-steps"])
-def test_engine_samples_the_adapted_policy_within_the_bfloat16_gap(bf16_engine, b):
+def test_engine_samples_the_adapted_policy_within_what_bfloat16_represents(bf16_engine, b):
     model, encoder, path, decoder = bf16_engine
-    without = mean_gap(model, encoder, decoder, path)
     adapted = bench.with_adapters(model, path, b)
-    with_lora = mean_gap(adapted, encoder, decoder, path)
-    assert with_lora < GAP_RATIO_BOUND * without, (
-        f"b={b:.0e}: mean |engine - trainer| log-prob gap {with_lora:.2e} with LoRA, {without:.2e} without "
-        f"({with_lora / without:.2f}x, bound {GAP_RATIO_BOUND}x)")
+    steps = gaps_in_bf16_steps(adapted, encoder, decoder, path)
     assert decoder.lora_request is not None, "the engine was given the adapters merged, not served"
+    print(f"b={b:.0e}: largest |engine - trainer| {steps.max():.2f} bfloat16 steps, mean {steps.mean():.2f}")
+    assert len(steps) > 100 and steps.max() < BF16_STEPS, (
+        f"b={b:.0e}: a sampled token's gap is {steps.max():.2f} bfloat16 steps (bound {BF16_STEPS})")
     decoder.sync_weights(model)
 
 
