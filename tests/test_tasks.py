@@ -207,3 +207,37 @@ def test_multitask_visual_trains_an_iteration_with_per_task_success(tmp_path, mo
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert [t["name"] for t in saved["rollout"]["tasks"]] == list(tasks)
     assert from_dict(saved, "multitask_visual") == load_configs("multitask_visual", overrides)
+
+
+def test_evaluation_plays_each_tasks_held_out_levels(tiny_text, tmp_path):
+    from vagen.episode import ChatEncoder, eval_seeds
+    from vagen.eval import evaluate_tasks
+
+    cfg = _text_tasks("rollout.max_turns=1", "rollout.max_new_tokens=8")
+    _, model, processor = tiny_text
+    summary = evaluate_tasks(model, ChatEncoder(processor), cfg, 2, tmp_path, with_baselines=False)
+    for task, env in (("sokoban_text", "sokoban"), ("frozenlake_text", "frozenlake")):
+        result = json.loads((tmp_path / task / "results.json").read_text())
+        assert (result["env"], result["config"]) == (env, task)
+        assert [r["seed"] for r in result["episodes"]] == eval_seeds(2)  # the held-out levels, each task's own
+        assert summary[f"{task}/episodes"] == 2 and f"{task}/success" in summary
+    assert summary["success"] == pytest.approx((summary["sokoban_text/success"] + summary["frozenlake_text/success"]) / 2)
+    assert set(json.loads((tmp_path / "results.json").read_text())["tasks"]) == {"sokoban_text", "frozenlake_text"}
+    table = (tmp_path / "results.md").read_text()
+    assert "### sokoban" in table and "### frozenlake" in table
+    only = evaluate_tasks(model, ChatEncoder(processor), cfg, 2, tmp_path / "one", with_baselines=False,
+                          tasks=["frozenlake_text"])
+    assert "frozenlake_text/success" in only and "sokoban_text/success" not in only
+
+
+def test_eval_task_names_a_task_of_the_config():
+    from vagen.eval import check_tasks
+
+    cfg = load_configs("multitask_visual")
+    check_tasks(cfg, ["frozenlake_visual"])
+    with pytest.raises(ConfigError, match=r"--task frozenlake is not a task of config multitask_visual; did you mean "
+                                          r"'frozenlake_visual'.*tasks: sokoban_visual, frozenlake_visual, "
+                                          r"navigation_visual"):
+        check_tasks(cfg, ["frozenlake"])
+    with pytest.raises(ConfigError, match=r"--task sokoban_visual: config sokoban_visual trains one environment"):
+        check_tasks(load_configs("sokoban_visual"), ["sokoban_visual"])
