@@ -241,3 +241,12 @@ def test_eval_task_names_a_task_of_the_config():
         check_tasks(cfg, ["frozenlake"])
     with pytest.raises(ConfigError, match=r"--task sokoban_visual: config sokoban_visual trains one environment"):
         check_tasks(load_configs("sokoban_visual"), ["sokoban_visual"])
+
+
+def test_a_warm_start_build_is_refused_for_several_tasks(capsys):
+    from vagen.warmstart.sft import main as sft
+
+    with pytest.raises(SystemExit) as exit_:
+        sft(["--config", "multitask_visual"])
+    assert exit_.value.code == 2
+    assert "a warm start is built for one environment" in capsys.readouterr().err

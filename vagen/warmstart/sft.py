@@ -649,6 +649,11 @@ def main(argv=None) -> int:
     from vagen.config import load_config_or_exit
 
     cfg = load_config_or_exit(args.config, args.overrides)
+    if cfg.rollout.tasks:
+        # its demonstrations, questions and evaluation are one environment's: a mixed build is not written yet
+        parser.error(f"config {cfg.name} lists rollout.tasks ({', '.join(t.name for t in cfg.rollout.tasks)}); a "
+                     f"warm start is built for one environment: build each task's with its own config (python -m "
+                     f"vagen.sft --config {cfg.rollout.tasks[0].config}) and start the run from one of them")
     if not args.evaluate and zero_stage(cfg) == 3:
         # Its stages hand one model from engine to engine and save it with save_pretrained: under ZeRO-3
         # the module holds only this rank's shards, and the saved weights were empty.
