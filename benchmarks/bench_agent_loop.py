@@ -6,6 +6,11 @@ observation is ready). Information only: nothing is asserted. Runs in the vLLM e
     .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting sokoban64     # 16 x 8, 3 turns, 64 tokens
     .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting sokoban256    # 256 tokens, 5 turns
     .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting navigation   # env.workers 0 and 2
+    PYTHONPATH=/tmp/ray .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting navigation_ray
+                                               # the loop with 2 worker processes and with 2 Ray actors
+
+(.venv-vllm has no Ray: `.venv-vllm/bin/python -m pip install --no-deps --target /tmp/ray "ray==2.60.0"` puts
+it beside the venv without changing it; the venv has Ray's own dependencies through vLLM's.)
 
 The policy is the environment's shipped warm start with vagen's image hooks taken out of its config (stock
 vLLM does not run them), at temperature 1. For each schedule: rollout wall time, the engine's forward
@@ -28,12 +33,13 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SETTINGS = {  # config, overrides, (schedule, env.workers) pairs
+SETTINGS = {  # config, overrides, (schedule, env.workers[, env.backend]) runs
     "sokoban64": ("sokoban_visual", ["rollout.max_turns=3", "rollout.max_new_tokens=64"],
                   [("turns", 0), ("loop", 0)]),
     "sokoban256": ("sokoban_visual", ["rollout.max_turns=5", "rollout.max_new_tokens=256"],
                    [("turns", 0), ("loop", 0)]),
     "navigation": ("navigation_visual", [], [("turns", 0), ("loop", 0), ("turns", 2), ("loop", 2)]),
+    "navigation_ray": ("navigation_visual", [], [("loop", 0), ("loop", 2, "process"), ("loop", 2, "ray")]),
 }
 
 
@@ -94,8 +100,9 @@ def main(argv=None) -> int:
     counts = count_forward_passes(decoder)
     seeds = train_seeds(0, args.groups)
     rows = []
-    for schedule, workers in runs:
+    for schedule, workers, *backend in runs:
         cfg.env.workers = workers
+        cfg.env.backend = backend[0] if backend else "process"
         envs = make_envs(cfg.env, len(seeds) * args.group_size)
         measured = []
         for repeat in range(args.repeats + 1):
@@ -105,13 +112,13 @@ def main(argv=None) -> int:
                                        schedule=schedule, sample_seed=repeat)
             wall = time.perf_counter() - t0
             tokens = sum(t.response_length for ep in episodes for t in ep.turns)
-            print(f"{schedule} workers={workers} rollout {repeat}: {wall:.1f} s, {counts['steps']} forward passes, "
+            print(f"{schedule} workers={workers} {cfg.env.backend} rollout {repeat}: {wall:.1f} s, {counts['steps']} forward passes, "
                   f"{tokens} tokens, env {timing['timing/env']:.1f} s", flush=True)
             if repeat:  # the first is warm-up
                 measured.append((wall, counts["steps"], counts["sequences"], timing["timing/env"], tokens))
         close_envs(envs)
         mean = [sum(m[k] for m in measured) / len(measured) for k in range(5)]
-        rows.append((schedule, workers, *mean))
+        rows.append((schedule, f"{workers} ({cfg.env.backend})" if workers and backend else workers, *mean))
     decoder.close()
     shutil.rmtree(work, ignore_errors=True)
 

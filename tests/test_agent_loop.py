@@ -63,6 +63,21 @@ def test_greedy_agent_loop_plays_the_per_turn_episodes(text_engine):
     assert decoder.engine_sequences / decoder.engine_steps > 2
 
 
+def test_environments_in_workers_add_no_forward_pass(text_engine):
+    """Before each pass the loop takes every answer due, so an episode whose environment steps in a worker
+    joins the pass it would join if its environment stepped in this process."""
+    model, encoder, decoder = text_engine
+    cfg = load_config(None, ["rollout.max_turns=3", "rollout.max_new_tokens=64", "env.name=sokoban",
+                             "env.render_mode=text"])
+    played = dict(seeds=[1_000_000_000 + k for k in range(16)], group_size=1, do_sample=False, decoder=decoder)
+    here, _ = rollout(model, encoder, cfg, **played)
+    passes = (decoder.engine_steps, decoder.engine_sequences)
+    cfg.env.workers = 2
+    there, stats = rollout(model, encoder, cfg, **played)
+    assert _played(there) == _played(here) and sum(len(ep.turns) for ep in there) > 16
+    assert (decoder.engine_steps, decoder.engine_sequences) == passes
+
+
 def test_an_error_in_the_agent_loop_leaves_no_request_in_the_engine(text_engine):
     model, encoder, decoder = text_engine
     cfg = load_config(None, ["rollout.max_turns=2", "rollout.max_new_tokens=64", "env.name=sokoban",
