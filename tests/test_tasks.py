@@ -139,6 +139,15 @@ def test_group_ids_of_a_second_rank_never_mix_tasks(tiny_text):
         ("sokoban_text", 0, 1), ("sokoban_text", 0, 1), ("frozenlake_text", 1, 1), ("frozenlake_text", 1, 1)]
 
 
+def test_each_task_steps_in_worker_processes_of_its_own(tiny_text):
+    episodes, _ = _play(_text_tasks("env.workers=1"), tiny_text)
+    assert [(ep.task, ep.env_name, ep.group_id, ep.seed) for ep in episodes] == [
+        ("sokoban_text", "sokoban", 0, 0), ("sokoban_text", "sokoban", 0, 0),
+        ("sokoban_text", "sokoban", 1, 1), ("sokoban_text", "sokoban", 1, 1),
+        ("frozenlake_text", "frozenlake", 2, 0), ("frozenlake_text", "frozenlake", 2, 0)]
+    assert all(ep.error is None and len(ep.turns) >= 1 for ep in episodes)
+
+
 def test_per_task_metrics_beside_the_totals(tiny_text):
     episodes, stats = _play(_text_tasks(), tiny_text)
     per_task = ("success", "reward_mean", "turns", "actions", "format_ok", "action_valid", "action_effective",
@@ -225,6 +234,9 @@ def test_evaluation_plays_each_tasks_held_out_levels(tiny_text, tmp_path):
     assert set(json.loads((tmp_path / "results.json").read_text())["tasks"]) == {"sokoban_text", "frozenlake_text"}
     table = (tmp_path / "results.md").read_text()
     assert "### sokoban" in table and "### frozenlake" in table
+    browser = (tmp_path / "index.html").read_text()  # the episode browsers, one per task
+    assert 'href="sokoban_text/index.html"' in browser and 'href="frozenlake_text/index.html"' in browser
+    assert (tmp_path / "sokoban_text" / "index.html").is_file()
     only = evaluate_tasks(model, ChatEncoder(processor), cfg, 2, tmp_path / "one", with_baselines=False,
                           tasks=["frozenlake_text"])
     assert "frozenlake_text/success" in only and "sokoban_text/success" not in only

@@ -5,6 +5,7 @@
     deepspeed --num_gpus 2 vagen/eval.py --checkpoint runs/<run>   (episodes split across ranks)
 
     python -m vagen.eval --config sokoban_visual --checkpoint assets:sokoban_visual   (a shipped warm start)
+    python -m vagen.eval --checkpoint runs/<run> --task frozenlake_visual   (one task of a run over several)
 
 A checkpoint inside a run directory is evaluated with the run's own config (`runs/<run>/config.yaml`:
 its tokens per turn, turns, dtype, environment), the settings it was trained with. `--config` replaces
@@ -223,6 +224,10 @@ def evaluate_tasks(model, encoder, cfg, episodes: int, out_dir: Path, videos: in
         tables = [(out_dir / name / "results.md").read_text() for name in rows]
         links = "".join(f"- {name}: [results]({name}/results.md), [episodes]({name}/index.html)\n" for name in rows)
         (out_dir / "results.md").write_text(f"{links}\n" + "\n".join(tables))
+        items = "".join(f'<li><a href="{name}/index.html">{name}</a>: success {rows[name]["success"]:.3f} over '
+                        f'{rows[name]["episodes"]} episodes</li>' for name in rows)
+        (out_dir / "index.html").write_text(f"<!doctype html><meta charset=utf-8><title>{cfg.name}</title>"
+                                            f"<h1>{cfg.name}: episodes by task</h1><ul>{items}</ul>\n")
         (out_dir / "results.json").write_text(json.dumps(
             {"config": cfg.name, "tasks": {name: json.loads((out_dir / name / "results.json").read_text())
                                            for name in rows}}, indent=2))
