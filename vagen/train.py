@@ -62,8 +62,7 @@ def main(argv=None) -> int:
     decoder = make_decoder(cfg, models.actor.module, models.encoder)
     generator = torch.Generator()
     # Environments live for the whole run (reset with new seeds each iteration): a MuJoCo renderer
-    # costs ~0.1 s to create and holds a GL context. With env.workers > 0, the workers hold them (Ray actors
-    # in a namespace of this run and rank with env.backend=ray).
+    # costs ~0.1 s to create and holds a GL context. With env.workers > 0, workers or Ray actors hold them.
     # rollout.max_staleness = k: up to k + 1 shares of groups in flight, the carried ones and the new ones
     envs = None if cfg.rollout.tasks else make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size
                      * (cfg.rollout.max_staleness + 1),
