@@ -4,6 +4,7 @@ the same run with worker processes. Its own module: the run starts and stops its
 
 import json
 
+import pytest
 import ray
 
 from vagen.train import main
@@ -19,6 +20,7 @@ def _metrics(run_dir):
     return [{k: v for k, v in r.items() if not k.startswith("timing/") and k != "time"} for r in records]
 
 
+@pytest.mark.slow  # two training runs: 82 s on the 2-core machine beside other jobs (load 8), 165 s at load 20
 def test_navigation_trains_an_iteration_with_ray_actors_as_with_worker_processes(tmp_path, model_cache, distributed):
     metrics = {}
     for backend in ("process", "ray"):
