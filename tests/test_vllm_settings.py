@@ -186,6 +186,12 @@ def test_a_runs_engine_is_built_for_the_ranks_share_of_episodes(monkeypatch):
     with pytest.raises(StopIteration):
         Recording.from_config(cfg, encoder=object())
     assert built["episodes"] == 32 and built["trajectory_length"] == 2048
+    # with rollout.max_staleness = 1, up to two shares of groups are in flight
+    cfg = load_config("sokoban_text", ["rollout.backend=vllm", "rollout.env_groups=16", "rollout.group_size=8",
+                                       "rollout.max_staleness=1", "algo.rollout_correction=tis"])
+    with pytest.raises(StopIteration):
+        Recording.from_config(cfg, encoder=object())
+    assert built["episodes"] == 64
 
 
 def test_an_engine_that_serves_lora_adapters_keeps_its_base_weights_through_sleep(monkeypatch):

@@ -264,7 +264,8 @@ class VLLMDecoder:
         refuse_image_hooks(checkpoint)
         if encoder is None:
             encoder = ChatEncoder(load_policy(checkpoint, cfg.model.dtype, cfg.model.min_pixels, cfg.model.max_pixels)[1])
-        episodes = cfg.rollout.env_groups // world_size() * cfg.rollout.group_size  # the rank's share, as train.py plays it
+        # the rank's share, as train.py plays it, and with rollout.max_staleness = k up to k + 1 shares in flight
+        episodes = cfg.rollout.env_groups // world_size() * cfg.rollout.group_size * (1 + cfg.rollout.max_staleness)
         decoder = cls(checkpoint, encoder, dtype=cfg.model.dtype, seed=cfg.train.seed, lora_rank=cfg.model.lora_rank,
                       episodes=episodes, trajectory_length=cfg.rollout.max_trajectory_length, **settings_from(cfg))
         if model is not None:
