@@ -262,3 +262,15 @@ def test_a_warm_start_build_is_refused_for_several_tasks(capsys):
         sft(["--config", "multitask_visual"])
     assert exit_.value.code == 2
     assert "a warm start is built for one environment" in capsys.readouterr().err
+
+
+def test_a_saved_run_config_takes_command_line_turns_and_env_settings_for_every_task(tmp_path):
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(load_configs("multitask_visual")))
+    assert load_configs(str(saved)) == load_configs("multitask_visual")
+    cfg = load_configs(str(saved), ["rollout.max_turns=2", "env.step_timeout=9", "env.params.max_steps=7"])
+    assert [t.rollout["max_turns"] for t in cfg.rollout.tasks] == [2, 2, 2]
+    assert [(t.env["step_timeout"], t.env["params"]["max_steps"]) for t in cfg.rollout.tasks] == [(9.0, 7)] * 3
+    with pytest.raises(ConfigError, match=r"rollout.tasks\[2\] \(navigation_visual\): env.params.cell_size is not a "
+                                          r"parameter of env 'navigation'"):
+        load_configs(str(saved), ["env.params.cell_size=14"])

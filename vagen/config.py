@@ -641,7 +641,10 @@ def _check_tasks(cfg: Config) -> None:
         if task.groups < 1:
             raise ConfigError(f"rollout.tasks[{i}] ({task.name}) groups={task.groups} must be >= 1 (level groups of "
                               f"the task per iteration); drop the task instead")
-        _check_env(EnvConfig(**task.env))
+        try:
+            _check_env(EnvConfig(**task.env))
+        except ConfigError as err:
+            raise ConfigError(f"rollout.tasks[{i}] ({task.name}): {err}") from None
     names = [task.name for task in tasks]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
@@ -1236,8 +1239,12 @@ def _resolve_tasks(raw: dict, after: list[str], overrides: list[str], require_ch
            [f"rollout.{key}" for key in TASK_ROLLOUT_KEYS]]
     resolved = []
     for i, task in enumerate(tasks):
-        if task.env:
-            resolved.append(task)
+        if task.env:  # resolved before (a run's config.yaml): the command line's env.* and lengths still apply
+            values = {"env": dict(task.env), "rollout": dict(task.rollout)}
+            for text in own:
+                _apply(values, *parse_override(text), "command-line override")
+            values["env"]["params"] = _nest(values["env"].get("params") or {})
+            resolved.append(dataclasses.replace(task, **values))
             continue
         if task.groups < 1:
             raise ConfigError(f"rollout.tasks[{i}] ({task.name or task.config}) groups={task.groups} must be >= 1 "
