@@ -293,3 +293,19 @@ def test_a_run_resumed_after_a_drained_checkpoint_plays_what_the_uninterrupted_o
     assert resumed == uninterrupted[3:]
     # episodes were carried after the resumption too: some trained ones span versions
     assert any(len(set(versions)) > 1 for part in resumed for _, _, versions, _ in part)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["rollout.max_staleness=-1"], "must be >= 0"),
+    (["rollout.max_staleness=1"], "rollout.backend=hf cannot.*set rollout.backend=vllm, or rollout.max_staleness=0"),
+    (["rollout.max_staleness=1", "rollout.backend=vllm"], "decoupled PPO.*set algo.rollout_correction=tis"),
+    (["rollout.max_staleness=2", "rollout.backend=vllm", "algo.rollout_correction=tis", "rollout.reuse_iterations=2"],
+     "could be 3 updates old"),
+])
+def test_staleness_the_run_cannot_honour_is_refused_at_config_time(overrides, says):
+    from vagen.config import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        load_config("sokoban_visual", overrides)
+    assert load_config("sokoban_visual", ["rollout.max_staleness=1", "rollout.backend=vllm",
+                                          "algo.rollout_correction=tis"]).rollout.max_staleness == 1
