@@ -120,3 +120,40 @@ def test_agent_loop_logprobs_are_the_trainers(vl_engine):
     gaps = sampled_gaps(model, encoder, episodes, cfg.rollout.temperature)
     assert len(gaps) == sum(t.response_length - (not t.end_sampled) for ep in episodes for t in ep.turns) > 40
     assert max(gaps) < TOLERANCE, max(gaps)
+
+
+def _without_timing(records):
+    return [{k: v for k, v in r.items() if not k.startswith("timing/") and k != "time"} for r in records]
+
+
+def test_k0_trains_as_the_run_without_the_staleness_key(model_cache, tmp_path):
+    """rollout.max_staleness=0 is the synchronous run: the same metrics, timing aside (sokoban_visual from a
+    standard tiny Qwen2.5-VL)."""
+    from test_vllm import FAST_TRAINING, _train
+
+    path = standard_copy(resolve_model_path("builtin:tiny-vl", model_cache, seed=0), tmp_path / "tiny-vl")
+    run = ("sokoban_visual", f"model.path={path}", *FAST_TRAINING)
+    without = _train(tmp_path / "without", 1, *run)
+    with_key = _train(tmp_path / "k0", 1, *run, "rollout.max_staleness=0")
+    assert _without_timing(with_key) == _without_timing(without)
+    assert all(r["rollout/carried_episodes"] == 0 and r["rollout/staleness_max"] == 0 for r in without)
+
+
+def test_episodes_carried_over_updates_are_at_most_k_updates_old(tmp_path):
+    """rollout.max_staleness=1 on sokoban_visual from a standard tiny Qwen2.5-VL: the shipped warm start with its
+    image hooks off (in the config the trainer reads too, so both run one policy), whose episodes end after 1 to
+    5 turns. Episodes still unfinished when 4 groups have ended wait for the next weights and are trained one
+    update later, never more; the last rollout drains before the checkpoint."""
+    from test_vllm import _train
+
+    path = standard_copy(checkpoints_dir() / "sokoban_visual", tmp_path / "sokoban_visual")
+    records = _train(tmp_path / "runs", 1, "sokoban_visual", f"model.path={path}", "rollout.backend=vllm",
+                     "algo.rollout_correction=tis", "rollout.max_staleness=1", "train.iterations=2", "train.seed=3",
+                     "rollout.group_size=2", "rollout.max_turns=5", "eval.every=0", "log.progress=false")
+    assert [r["iteration"] for r in records] == [0, 1]
+    assert records[0]["rollout/carried_episodes"] > 0 and records[0]["rollout/staleness_max"] == 0
+    # the carried episodes are trained at the next update, one version old at most
+    assert records[1]["rollout/staleness_max"] == 1 and records[1]["rollout/cross_version_episodes"] > 0
+    assert 0 < records[1]["rollout/staleness_mean"] < 1
+    assert records[1]["rollout/carried_episodes"] == 0  # drained before the checkpoint at the end
+    assert all(r["actor/tis_clamped_fraction"] < 0.5 for r in records)

@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     from vagen.console import Progress
     from vagen.rollout import Rollouts, close_envs, make_decoder, make_envs
     from vagen.run import RunDir, reduce_metrics
+    from vagen.staleness import Admission
     from vagen.state_reward import state_rewarder
     from vagen.tasks import TaskRollouts
 
@@ -58,6 +59,9 @@ def main(argv=None) -> int:
     rewarder = state_rewarder(cfg, dist)
     # What a resumed run must restore besides the engines (the state reward's recent descriptions).
     tracked = {"state_reward": rewarder.tracker} if rewarder is not None else {}
+    # and the count of level groups admitted and ended (rollout.max_staleness), which numbers the next ones
+    admission = Admission(cfg.rollout.env_groups // dist.world_size, cfg.rollout.max_staleness)
+    tracked["admission"] = EveryRank(admission, dist)
     start = run.maybe_resume(cfg, models.actor, models.critic, monitor, tracked)
     decoder = make_decoder(cfg, models.actor.module, models.encoder)
     generator = torch.Generator()
@@ -71,7 +75,7 @@ def main(argv=None) -> int:
         source = TaskRollouts(models.encoder, cfg, dist.rank, dist.world_size, start, f"{run.path.name}-rank{dist.rank}")
         envs = source.all_envs()
     else:
-        source = Rollouts(models.encoder, cfg, envs, dist.rank, dist.world_size, start)  # groups in admission order
+        source = Rollouts(models.encoder, cfg, envs, dist.rank, dist.world_size, start, admission)
     progress = Progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
     bad_steps_in_a_row, return_code, batch = 0, 0, None
     if start == 0:  # eval.before_training: the starting checkpoint (a resumed run has evaluated it already)
@@ -346,6 +350,24 @@ def staleness(episodes: list, version: int, dist) -> dict[str, float]:
     sums = all_reduce(torch.tensor([total, tokens, crossing, len(episodes)], dtype=torch.float64), "sum").tolist()
     most = float(all_reduce(torch.tensor([oldest], dtype=torch.float64), "max")[0])
     return {"mean": sums[0] / max(sums[1], 1.0), "max": most, "cross_version_episodes": sums[2] / max(sums[3], 1.0)}
+
+
+@dataclass
+class EveryRank:
+    """A rank's own state in the checkpoint (`tracked`): every rank's, gathered when saved (a collective: every
+    rank saves together), and each rank's own taken back. A checkpoint of another number of ranks gives none
+    back: the admission then numbers groups as the synchronous run does (`Admission.resume`)."""
+    owner: object
+    dist: object
+
+    def state_dict(self) -> dict:
+        from vagen.distributed import gather_objects
+
+        return {"ranks": gather_objects(self.owner.state_dict(), active=self.dist.world_size > 1)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["ranks"]) == self.dist.world_size:
+            self.owner.load_state_dict(state["ranks"][self.dist.rank])
 
 
 def saves_at(it: int, cfg) -> bool:
