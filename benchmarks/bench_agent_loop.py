@@ -16,7 +16,8 @@ The policy is the environment's shipped warm start with vagen's image hooks take
 vLLM does not run them), at temperature 1. For each schedule: rollout wall time, the engine's forward
 passes (scheduler steps that ran at least one request), the mean number of requests per forward pass,
 and the share of the rollout the engine spent waiting for environments (stepping them in this process,
-or waiting for a worker's answer). Each schedule plays the levels `--repeats` times after one warm-up
+or waiting for a worker's answer), and the share of environment steps whose answer joined the pass right
+after the response (all of them when environments step in this process). Each schedule plays the levels `--repeats` times after one warm-up
 rollout (the engine's compilation); the figures are means over the repeats.
 """
 
@@ -73,6 +74,25 @@ def count_forward_passes(decoder) -> dict:
     return counts
 
 
+def count_answers_in_time(counts: dict) -> None:
+    """Count in `counts["in_time"]` the environment steps whose answer was taken before the pass that
+    followed the response (`counts["steps"]` unchanged between `Game.respond` and `Game.step_answered`)."""
+    import vagen.rollout
+
+    respond, step_answered, sent = vagen.rollout.Game.respond, vagen.rollout.Game.step_answered, {}
+
+    def responded(game, i, new):
+        sent[i] = counts["steps"]
+        return respond(game, i, new)
+
+    def answered(game, answer):
+        counts["answers"] += 1
+        counts["in_time"] += sent.pop(answer.index) == counts["steps"]
+        return step_answered(game, answer)
+
+    vagen.rollout.Game.respond, vagen.rollout.Game.step_answered = responded, answered
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="sokoban64")
@@ -98,6 +118,7 @@ def main(argv=None) -> int:
                                *overrides])
     decoder = VLLMDecoder(path, encoder, dtype="float32", seed=0)
     counts = count_forward_passes(decoder)
+    count_answers_in_time(counts)
     seeds = train_seeds(0, args.groups)
     rows = []
     for schedule, workers, *backend in runs:
@@ -106,18 +127,20 @@ def main(argv=None) -> int:
         envs = make_envs(cfg.env, len(seeds) * args.group_size)
         measured = []
         for repeat in range(args.repeats + 1):
-            counts.update(steps=0, sequences=0)
+            counts.update(steps=0, sequences=0, answers=0, in_time=0)
             t0 = time.perf_counter()
             episodes, timing = rollout(model, encoder, cfg, seeds, args.group_size, decoder=decoder, envs=envs,
                                        schedule=schedule, sample_seed=repeat)
             wall = time.perf_counter() - t0
             tokens = sum(t.response_length for ep in episodes for t in ep.turns)
             print(f"{schedule} workers={workers} {cfg.env.backend} rollout {repeat}: {wall:.1f} s, {counts['steps']} forward passes, "
-                  f"{tokens} tokens, env {timing['timing/env']:.1f} s", flush=True)
+                  f"{tokens} tokens, env {timing['timing/env']:.1f} s, {counts['in_time']} of {counts['answers']} "
+                  f"answers in time for the next pass", flush=True)
             if repeat:  # the first is warm-up
-                measured.append((wall, counts["steps"], counts["sequences"], timing["timing/env"], tokens))
+                measured.append((wall, counts["steps"], counts["sequences"], timing["timing/env"], tokens,
+                                 counts["in_time"] / max(counts["answers"], 1)))
         close_envs(envs)
-        mean = [sum(m[k] for m in measured) / len(measured) for k in range(5)]
+        mean = [sum(m[k] for m in measured) / len(measured) for k in range(6)]
         rows.append((schedule, f"{workers} ({cfg.env.backend})" if workers and backend else workers, *mean))
     decoder.close()
     shutil.rmtree(work, ignore_errors=True)
@@ -125,11 +148,11 @@ def main(argv=None) -> int:
     print(f"\n{args.setting}: {config} {' '.join(overrides)}, {args.groups} x {args.group_size} rollouts, temperature 1, "
           f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads), mean of {args.repeats}")
     print("| schedule | env.workers | rollout wall s | forward passes | sequences / pass | engine waits for envs | "
-          "tokens |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for schedule, workers, wall, steps, sequences, env, tokens in rows:
+          "tokens | answers in time for the next pass |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for schedule, workers, wall, steps, sequences, env, tokens, in_time in rows:
         print(f"| {'per-turn' if schedule == 'turns' else 'agent loop'} | {workers} | {wall:.1f} | {steps:.0f} | "
-              f"{sequences / max(steps, 1):.1f} | {env / wall:.1%} | {tokens:.0f} |")
+              f"{sequences / max(steps, 1):.1f} | {env / wall:.1%} | {tokens:.0f} | {in_time:.0%} |")
     return 0
 
 
