@@ -11,6 +11,8 @@ checkpoints with a pointer to the latest, resuming, and periodic evaluation.
                                     into a whole checkpoint by python -m vagen.merge) + processor
         checkpoints/step_N/critic/  critic backbone + value head
         checkpoints/step_N/deepspeed/  engine states (optimizer, scheduler) for resuming
+        checkpoints/step_N/universal/  while a run resumes on another rank count under ZeRO 1-3: the engine
+                                    states in DeepSpeed's universal form (to_universal), removed once loaded
         checkpoints/step_N/trainer_state.json
         checkpoints/latest          name of the newest complete checkpoint
         eval/step_N/                evaluation results and episode videos
@@ -442,7 +444,9 @@ def to_universal(ckpt: Path, cfg: Config, world_size: int, workers: tuple[int, i
         command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                    str(ckpt / "deepspeed" / name), "--output_folder", str(tmp / name), "--inject_missing_state",
                    "--num_extract_workers", str(workers[0]), "--num_merge_workers", str(workers[1])]
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        # on the CPU: it only reads and writes files, and leaves the rank's GPU to the run
+        done = subprocess.run(command, capture_output=True, text=True,
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"})
         if done.returncode != 0:
             raise ResumeError(
                 f"train.resume: converting {ckpt / 'deepspeed' / name} to a universal checkpoint failed (exit "
