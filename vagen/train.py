@@ -69,8 +69,7 @@ def main(argv=None) -> int:
     # costs ~0.1 s to create and holds a GL context. With env.workers > 0, workers or Ray actors hold them.
     # rollout.max_staleness = k: up to k + 1 shares of groups in flight, the carried ones and the new ones
     envs = None if cfg.rollout.tasks else make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size
-                     * (cfg.rollout.max_staleness + 1),
-                     owner=f"{run.path.name}-rank{dist.rank}")
+                     * (cfg.rollout.max_staleness + 1), owner=f"{run.path.name}-rank{dist.rank}")
     if cfg.rollout.tasks:  # several tasks: a rollout source and environments per task (vagen.tasks)
         source = TaskRollouts(models.encoder, cfg, dist.rank, dist.world_size, start, f"{run.path.name}-rank{dist.rank}")
         envs = source.all_envs()
