@@ -274,3 +274,16 @@ def test_a_saved_run_config_takes_command_line_turns_and_env_settings_for_every_
     with pytest.raises(ConfigError, match=r"rollout.tasks\[2\] \(navigation_visual\): env.params.cell_size is not a "
                                           r"parameter of env 'navigation'"):
         load_configs(str(saved), ["env.params.cell_size=14"])
+
+
+def test_the_state_reward_needs_graded_fields_in_every_tasks_format(tmp_path):
+    graded = tmp_path / "sokoban_graded.yaml"
+    graded.write_text("env:\n  name: sokoban\n  render_mode: text\n  prompt_format: grounding_worldmodeling\n")
+    tasks = f"rollout.tasks=[{{config: {graded}, groups: 1}}, {{config: frozenlake_text, groups: 1}}]"
+    with pytest.raises(ConfigError, match=r"rollout.tasks \(frozenlake_text\): algo.state_reward=rules grades "
+                                          r"<observation> and <prediction>, but env.prompt_format=free_think"):
+        load_configs(None, [tasks, "algo.state_reward=rules", "model.path=builtin:tiny-text",
+                            "train.mini_batch_size=8"])
+    cfg = load_configs(None, [tasks, "algo.state_reward=rules", "model.path=builtin:tiny-text", "train.mini_batch_size=8",
+                              "env.prompt_format=grounding_worldmodeling"])
+    assert [t.env["prompt_format"] for t in cfg.rollout.tasks] == ["grounding_worldmodeling"] * 2

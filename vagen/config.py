@@ -654,6 +654,12 @@ def _check_tasks(cfg: Config) -> None:
     if cfg.rollout.env_groups != sum(task.groups for task in tasks):
         raise ConfigError(f"rollout.env_groups={cfg.rollout.env_groups} but the groups of rollout.tasks sum to "
                           f"{sum(task.groups for task in tasks)}; with rollout.tasks set only the tasks' groups")
+    if cfg.algo.state_reward != "none":  # every task's prompt format must have the graded fields
+        for name, sub in task_configs(cfg):
+            try:
+                _check_state_reward(sub)
+            except ConfigError as err:
+                raise ConfigError(f"rollout.tasks ({name}): {err}") from None
     if cfg.rollout.max_staleness > 0:
         raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} with rollout.tasks: several tasks are "
                           f"played synchronously, one rollout per task before each update; set "
