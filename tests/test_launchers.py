@@ -87,3 +87,48 @@ def test_two_srun_tasks_train_an_iteration(tmp_path, tiny_text, model_cache):
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     _trained_on_two_ranks(tmp_path / "sr")
+
+
+WAITER = """
+import sys, time
+from vagen.distributed import init_distributed
+import torch
+dist = init_distributed(timeout_minutes=float(sys.argv[1]))
+if dist.rank == 0:
+    t0 = time.perf_counter()
+    try:
+        torch.distributed.barrier()
+        print("barrier passed")
+    except Exception as error:
+        print(f"gave up after {time.perf_counter() - t0:.1f} s: {type(error).__name__}: {error}"[:300])
+else:
+    time.sleep(40)  # longer than rank 0's timeout: it must give up first
+"""
+
+
+@pytest.mark.slow
+def test_a_collective_waits_for_the_process_group_timeout_it_was_given(tmp_path):
+    """init_distributed's timeout (train.dist_timeout_minutes) is the group's: rank 0 waiting in a barrier for a
+    rank that never comes gives up after it (15 s here), not after DeepSpeed's default of 10 minutes. (The
+    timeout also bounds init's own barrier, so it must exceed the ranks' start-up skew on a busy machine.)"""
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", WAITER, "0.25"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in range(2)]
+    output = procs[0].communicate(timeout=120)[0]
+    procs[1].kill()
+    procs[1].communicate()
+    said = [line for line in output.splitlines() if line.startswith("gave up after")]
+    assert said, output[-3000:]
+    seconds = float(said[0].split()[3])
+    assert 14 < seconds < 40 and "Timed out" in said[0], said[0]
+
+
+def test_the_process_group_timeout_is_a_setting_of_whole_minutes():
+    from vagen.config import ConfigError, load_config
+
+    assert load_config("bandit_text").train.dist_timeout_minutes == 30
+    assert load_config("bandit_text", ["train.dist_timeout_minutes=120"]).train.dist_timeout_minutes == 120
+    with pytest.raises(ConfigError, match=r"train.dist_timeout_minutes=0 must be >= 1 \(minutes a rank waits"):
+        load_config("bandit_text", ["train.dist_timeout_minutes=0"])
