@@ -309,3 +309,45 @@ def test_staleness_the_run_cannot_honour_is_refused_at_config_time(overrides, sa
         load_config("sokoban_visual", overrides)
     assert load_config("sokoban_visual", ["rollout.max_staleness=1", "rollout.backend=vllm",
                                           "algo.rollout_correction=tis"]).rollout.max_staleness == 1
+
+
+def test_carried_turns_keep_the_logprobs_of_the_version_that_sampled_them(tiny_text):
+    """k = 1 with a sampler whose log-probabilities are the trainer's own: after each update (here a perturbation
+    of the weights), every trained turn's behaviour log-probs equal a recomputation under a kept snapshot of the
+    version the turn records, including the turns of episodes carried over an update."""
+    import copy
+
+    import torch
+
+    from vagen.update import token_logprobs
+
+    _, base, tokenizer = tiny_text
+    model, probe = copy.deepcopy(base).eval(), copy.deepcopy(base).eval()
+    encoder = ChatEncoder(tokenizer)
+    cfg = _config()
+    cfg.rollout.max_staleness = 1
+    source = Rollouts(encoder, cfg, [Steps() for _ in range(4 * 2 * 2)])
+    decoder = OwnLogprobs(model, encoder, cfg.rollout.temperature)
+    snapshots, older, generator = {}, 0, torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    for version in range(4):
+        snapshots[version] = copy.deepcopy(model.state_dict())
+        episodes, _ = source.play(decoder, version, drain=version == 3)
+        for ep in episodes:
+            for turn in ep.turns:
+                probe.load_state_dict(snapshots[turn.version])
+                start, end = turn.span
+                loss_mask = torch.zeros(1, end)
+                loss_mask[0, start:] = 1
+                batch = {"input_ids": torch.tensor([ep.input_ids[:end]]),
+                         "attention_mask": torch.ones(1, end, dtype=torch.long),
+                         "position_ids": torch.arange(end)[None], "loss_mask": loss_mask}
+                with torch.no_grad():
+                    again, _ = token_logprobs(probe, batch, cfg.rollout.temperature, with_entropy=False,
+                                              suppress_ids=encoder.suppress_ids)
+                assert again[0, start : start + len(turn.sampled_logprobs)].tolist() == turn.sampled_logprobs
+                older += turn.version < version
+        with torch.no_grad():  # an update: every weight moves
+            for param in model.parameters():
+                param.add_(0.02 * torch.randn(param.shape, generator=generator))
+    assert older > 0  # turns of carried episodes were checked against their own, older version
