@@ -111,7 +111,8 @@ class Answers:
 
 def _config(groups=4, group_size=2):
     return load_config("sokoban_text", [f"rollout.env_groups={groups}", f"rollout.group_size={group_size}",
-                                        "rollout.max_turns=3", "rollout.max_new_tokens=8", "train.seed=3"])
+                                        "rollout.max_turns=3", "rollout.max_new_tokens=8", "train.seed=3",
+                                        f"train.mini_batch_size={groups * group_size}"])
 
 
 def _rollouts(tiny_text, k, groups=4, group_size=2, rank=0, world_size=1):
@@ -324,15 +325,15 @@ def test_carried_turns_keep_the_logprobs_of_the_version_that_sampled_them(tiny_t
     _, base, tokenizer = tiny_text
     model, probe = copy.deepcopy(base).eval(), copy.deepcopy(base).eval()
     encoder = ChatEncoder(tokenizer)
-    cfg = _config()
+    cfg = _config(groups=2)
     cfg.rollout.max_staleness = 1
-    source = Rollouts(encoder, cfg, [Steps() for _ in range(4 * 2 * 2)])
+    source = Rollouts(encoder, cfg, [Steps() for _ in range(2 * 2 * 2)])
     decoder = OwnLogprobs(model, encoder, cfg.rollout.temperature)
     snapshots, older, generator = {}, 0, torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    for version in range(4):
+    for version in range(3):
         snapshots[version] = copy.deepcopy(model.state_dict())
-        episodes, _ = source.play(decoder, version, drain=version == 3)
+        episodes, _ = source.play(decoder, version, drain=version == 2)
         for ep in episodes:
             for turn in ep.turns:
                 probe.load_state_dict(snapshots[turn.version])
