@@ -157,3 +157,19 @@ def test_episodes_carried_over_updates_are_at_most_k_updates_old(tmp_path):
     assert 0 < records[1]["rollout/staleness_mean"] < 1
     assert records[1]["rollout/carried_episodes"] == 0  # drained before the checkpoint at the end
     assert all(r["actor/tis_clamped_fraction"] < 0.5 for r in records)
+
+
+@pytest.mark.slow
+def test_carried_episodes_under_zero3_on_two_ranks_do_not_deadlock(tmp_path):
+    """rollout.max_staleness=1 over two gloo ranks under ZeRO-3: each rank's rollout closes at its own share and
+    carries its own episodes, and the ranks meet at the weight sync and the update (sokoban_text's warm start,
+    whose episodes end after 1 to 5 turns)."""
+    from test_vllm import _train
+
+    records = _train(tmp_path, 2, "sokoban_text", "rollout.backend=vllm", "algo.rollout_correction=tis",
+                     "rollout.max_staleness=1", "train.iterations=3", "rollout.env_groups=4", "rollout.group_size=2",
+                     "rollout.max_turns=5", "train.mini_batch_size=4", "train.micro_batch_size=2", "eval.every=0",
+                     "log.progress=false", "train.deepspeed_config=deepspeed/zero3_fp32.json")
+    assert [r["iteration"] for r in records] == [0, 1, 2]
+    assert all(r["rollout/staleness_max"] <= 1 for r in records)
+    assert any(r["rollout/carried_episodes"] > 0 for r in records) and records[-1]["rollout/carried_episodes"] == 0
