@@ -126,12 +126,18 @@ def test_the_readme_is_the_front_door():
     # the quick start, and the test command that CI (.ci/run) runs verbatim
     assert "pip install -e . && deepspeed vagen/train.py --config sokoban_visual" in lines
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    vllm_prefix = 'bash scripts/vllm_env.sh && .venv-vllm/bin/python -m pytest -m "vllm and not slow" '
+    vllm_line = next((line for line in lines if line.startswith(vllm_prefix)), None)
+    assert vllm_line is not None, f"README has no line starting {vllm_prefix!r}"
     for command in ("apt-get update && apt-get install -y chromium chromium-driver",
-                    'pip install -e ".[test]" && ruff check . && pytest',
-                    'bash scripts/vllm_env.sh && .venv-vllm/bin/python -m pytest -m "vllm and not slow" tests/test_vllm.py '
-                    'tests/test_vllm_lora.py tests/test_vllm_families.py tests/test_agent_loop.py'):
+                    'pip install -e ".[test]" && ruff check . && pytest', vllm_line):
         assert command in lines, command
         assert any(line.startswith(command) for line in ci), command
+    # every test file with tests marked vllm runs in the vLLM environment's line, so none is left out of CI
+    marked = sorted(f"tests/{path.name}" for path in (ROOT / "tests").glob("test_*.py")
+                    if re.search(r"^(pytestmark = .*|@)pytest\.mark\.vllm", path.read_text(), re.MULTILINE))
+    listed = vllm_line.removeprefix(vllm_prefix).split()
+    assert sorted(listed) == marked, f"the vLLM test line lists {sorted(listed)}; files with vLLM tests: {marked}"
 
 
 def _config_reference():
