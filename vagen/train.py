@@ -45,11 +45,10 @@ def main(argv=None) -> int:
 
     from vagen import core
     from vagen.console import Progress
-    from vagen.rollout import Rollouts, close_envs, make_decoder, make_envs
+    from vagen.rollout import close_envs, make_decoder
     from vagen.run import RunDir, reduce_metrics
     from vagen.staleness import Admission
     from vagen.state_reward import state_rewarder
-    from vagen.tasks import TaskRollouts
 
     torch.manual_seed(cfg.train.seed + dist.rank)
     run = RunDir.create(cfg, dist)
@@ -65,16 +64,7 @@ def main(argv=None) -> int:
     start = run.maybe_resume(cfg, models.actor, models.critic, monitor, tracked)
     decoder = make_decoder(cfg, models.actor.module, models.encoder)
     generator = torch.Generator()
-    # Environments live for the whole run (reset with new seeds each iteration): a MuJoCo renderer
-    # costs ~0.1 s to create and holds a GL context. With env.workers > 0, workers or Ray actors hold them.
-    # rollout.max_staleness = k: up to k + 1 shares of groups in flight, the carried ones and the new ones
-    envs = None if cfg.rollout.tasks else make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size
-                     * (cfg.rollout.max_staleness + 1), owner=f"{run.path.name}-rank{dist.rank}")
-    if cfg.rollout.tasks:  # several tasks: a rollout source and environments per task (vagen.tasks)
-        source = TaskRollouts(models.encoder, cfg, dist.rank, dist.world_size, start, f"{run.path.name}-rank{dist.rank}")
-        envs = source.all_envs()
-    else:
-        source = Rollouts(models.encoder, cfg, envs, dist.rank, dist.world_size, start, admission)
+    source, envs = rollout_source(cfg, dist, models.encoder, f"{run.path.name}-rank{dist.rank}", start, admission)
     progress = Progress(start, cfg.train.iterations, enabled=is_main_process and cfg.log.progress)
     bad_steps_in_a_row, return_code, batch = 0, 0, None
     if start == 0:  # eval.before_training: the starting checkpoint (a resumed run has evaluated it already)
@@ -118,6 +108,22 @@ def main(argv=None) -> int:
         decoder.close()
     run.finish()
     return return_code
+
+
+def rollout_source(cfg, dist, encoder, owner: str, start: int, admission):
+    """What plays the run's episodes, and the environments it steps. Environments live for the whole run
+    (reset with new seeds each iteration): a MuJoCo renderer costs ~0.1 s to create and holds a GL context.
+    With env.workers > 0, workers or Ray actors hold them (named after `owner`, the run and rank)."""
+    from vagen.rollout import Rollouts, make_envs
+    from vagen.tasks import TaskRollouts
+
+    if cfg.rollout.tasks:  # several tasks: a rollout source and environments per task (vagen.tasks)
+        source = TaskRollouts(encoder, cfg, dist.rank, dist.world_size, start, owner)
+        return source, source.all_envs()
+    # rollout.max_staleness = k: up to k + 1 shares of groups in flight, the carried ones and the new ones
+    envs = make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size
+                     * (cfg.rollout.max_staleness + 1), owner=owner)
+    return Rollouts(encoder, cfg, envs, dist.rank, dist.world_size, start, admission), envs
 
 
 def refused(check) -> bool:
