@@ -145,9 +145,9 @@ def test_init_distributed_clears_a_stale_lock_before_deepspeed_starts(cache):
         import vagen.distributed as d
         cpp_extension.FileBaton = FileBaton
 
-        def start(dist_backend, verbose):
+        def start(dist_backend, verbose, timeout):
             print("lock at deepspeed start:", os.path.exists({str(lock)!r}))
-            torch.distributed.init_process_group(dist_backend, rank=0, world_size=1)
+            torch.distributed.init_process_group(dist_backend, rank=0, world_size=1, timeout=timeout)
 
         deepspeed.init_distributed = start
         dist = d.init_distributed(need_group=True)
