@@ -64,16 +64,19 @@ def distributed():
 
 @pytest.fixture
 def played_tokens(monkeypatch):
-    """Every `vagen.rollout.rollout` call made during the test appends its episodes' token ids here."""
+    """Every rollout made during the test (`vagen.rollout.rollout`, as evaluation plays, and
+    `vagen.rollout.Rollouts.play`, as training plays) appends its episodes' token ids here."""
     import vagen.rollout as rollout_module
 
     played = []
-    real = rollout_module.rollout
 
-    def recording(*args, **kwargs):
-        episodes, stats = real(*args, **kwargs)
-        played.append([ep.input_ids for ep in episodes])
-        return episodes, stats
+    def recording(real):
+        def play(*args, **kwargs):
+            episodes, stats = real(*args, **kwargs)
+            played.append([ep.input_ids for ep in episodes])
+            return episodes, stats
+        return play
 
-    monkeypatch.setattr(rollout_module, "rollout", recording)
+    monkeypatch.setattr(rollout_module, "rollout", recording(rollout_module.rollout))
+    monkeypatch.setattr(rollout_module.Rollouts, "play", recording(rollout_module.Rollouts.play))
     return played

@@ -36,19 +36,29 @@ STAGES = {"zero0": ["train.deepspeed_config=deepspeed/zero0_fp32.json"],
 calls: list[dict] = []
 
 
-def counting_rollout(model, *args, **kwargs):
+def counted(play, model, *args, **kwargs):
+    """`play(*args, **kwargs)`, recording the forward passes `model` ran in it and the episodes' token ids."""
     forwards = [0]
     handle = model.register_forward_pre_hook(lambda module, inputs: forwards.__setitem__(0, forwards[0] + 1))
     try:
-        episodes, stats = real_rollout(model, *args, **kwargs)
+        episodes, stats = play(*args, **kwargs)
     finally:
         handle.remove()
     calls.append({"forwards": forwards[0], "input_ids": [ep.input_ids for ep in episodes]})
     return episodes, stats
 
 
-real_rollout = rollout_module.rollout
-rollout_module.rollout = counting_rollout  # vagen.train and vagen.eval import it when they run
+def counting_rollout(model, *args, **kwargs):  # evaluation's rollouts
+    return counted(real_rollout, model, model, *args, **kwargs)
+
+
+def counting_play(self, decoder, *args, **kwargs):  # training's rollouts (`vagen.rollout.Rollouts`)
+    return counted(real_play, decoder.model, self, decoder, *args, **kwargs)
+
+
+real_rollout, real_play = rollout_module.rollout, rollout_module.Rollouts.play
+rollout_module.rollout = counting_rollout  # vagen.eval imports it when it runs
+rollout_module.Rollouts.play = counting_play
 
 loads: list[tuple[int, int]] = []  # per model loaded: (parameters this rank holds, parameters of the model)
 
