@@ -211,13 +211,17 @@ def test_placement_counts_whole_actors_per_node():
 def test_env_backend_ray_is_refused_without_ray_naming_the_extra(monkeypatch):
     import importlib.util
 
+    from vagen.config import machine_problems
+    from vagen.train import check_before_loading
+
     find_spec = importlib.util.find_spec
-    assert load_config("sokoban_text", ["env.backend=ray", "env.workers=2"]).env.backend == "ray"
+    assert machine_problems(load_config("sokoban_text", ["env.backend=ray", "env.workers=2"])) == []
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    # refused by the checks that run before anything loads (training's, and python -m vagen.config's)
     with pytest.raises(ConfigError, match=r"env.backend=ray runs the environments as Ray actors, but Ray is not "
                                           r"installed in this environment; pip install -e \"\.\[ray\]\""):
-        load_config("sokoban_text", ["env.backend=ray", "env.workers=2"])
-    load_config("sokoban_text", ["env.workers=2"])  # the process backend needs no Ray
+        check_before_loading(load_config("sokoban_text", ["env.backend=ray", "env.workers=2"]))
+    assert machine_problems(load_config("sokoban_text", ["env.workers=2"])) == []  # the process backend needs no Ray
     with pytest.raises(ConfigError, match="env.backend=ray runs env.workers Ray actors, but env.workers=0"):
         load_config("sokoban_text", ["env.backend=ray"])
     with pytest.raises(ConfigError, match=r"env.ray_resources=\{'CPU': 2\}: each entry is a custom resource"):

@@ -600,7 +600,7 @@ def validate(cfg: Config) -> None:
 
 
 def _check_env_backend(env: EnvConfig) -> None:
-    """env.backend and its Ray settings; Ray installed where env.backend=ray (looked up, not imported)."""
+    """env.backend and its Ray settings (whether Ray is installed: `vagen.preflight.missing_packages`)."""
     if env.backend not in ("process", "ray"):
         raise ConfigError(f"env.backend={env.backend!r}{_closest(env.backend, ['process', 'ray'])} choices: process, ray")
     if env.backend == "process":
@@ -620,12 +620,6 @@ def _check_env_backend(env: EnvConfig) -> None:
         raise ConfigError(f"env.ray_start_timeout={env.ray_start_timeout} must be > 0 seconds (60 is usual)")
     if not isinstance(env.ray_address, str) or not env.ray_address:
         raise ConfigError(f"env.ray_address={env.ray_address!r}: use local, auto, or a cluster's HOST:PORT")
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None:
-        raise ConfigError("env.backend=ray runs the environments as Ray actors, but Ray is not installed in this "
-                          "environment; pip install -e \".[ray]\" (on every node that runs environment actors "
-                          "too), or set env.backend=process")
 
 
 def _check_tasks(cfg: Config) -> None:

@@ -47,6 +47,10 @@ def missing_packages(cfg, trackers: bool = True) -> list[str]:
     if cfg.model.lora_rank > 0 and importlib.util.find_spec("peft") is None:
         problems.append(f"model.lora_rank={cfg.model.lora_rank} builds its adapters with the peft library, which is "
                         f"not installed; pip install -e \".[lora]\" (or model.lora_rank=0)")
+    if cfg.env.backend == "ray" and importlib.util.find_spec("ray") is None:
+        problems.append("env.backend=ray runs the environments as Ray actors, but Ray is not installed in this "
+                        "environment; pip install -e \".[ray]\" (on every node that runs environment actors too), "
+                        "or set env.backend=process")
     if not trackers:
         return problems
     from vagen.trackers import missing_packages_error
