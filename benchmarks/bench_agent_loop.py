@@ -59,7 +59,9 @@ def standard_warm_start(config: str, out: Path) -> Path:
 
 def count_forward_passes(decoder) -> dict:
     """Wrap the engine's scheduler so that every step that runs requests is counted with its requests."""
-    scheduler = decoder.llm.llm_engine.engine_core.engine_core.scheduler
+    from vagen import vllm_compat
+
+    scheduler = vllm_compat.scheduler(decoder.llm)  # the engine core's, in this process
     counts = {"steps": 0, "sequences": 0}
     schedule = scheduler.schedule
 

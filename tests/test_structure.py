@@ -92,3 +92,32 @@ def test_the_functions_that_read_like_the_algorithm_stay_under_80_lines(path, na
     tree = ast.parse((ROOT / path).read_text())
     lengths = [n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
     assert lengths and max(lengths) < 80, f"{path}:{name} has {lengths} lines"
+
+
+def test_no_file_of_the_vllm_decoder_is_over_400_lines():
+    files = sorted((ROOT / "vagen" / "decoding_vllm").glob("**/*.py"))
+    assert {f.name for f in files} >= {"__init__.py", "engine.py", "weights.py", "play.py"}, files
+    lengths = {str(f.relative_to(ROOT)): len(f.read_text().splitlines()) for f in files}
+    assert all(n <= 400 for n in lengths.values()), f"files over 400 lines: {lengths}"
+
+
+# vLLM's modules vagen imports outside vagen/vllm_compat.py, which holds every reach into its internals
+VLLM_PUBLIC_MODULES = {"vllm", "vllm.sampling_params", "vllm.lora.request"}
+
+
+def vllm_imports(path: Path) -> set[str]:
+    """The vLLM modules `path` imports anywhere (functions included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+        found.update(name for name in names if name == "vllm" or name.startswith("vllm."))
+    return found
+
+
+def test_only_vllm_compat_imports_vllms_internal_modules(tmp_path):
+    (tmp_path / "reach.py").write_text("def f():\n    import vllm.envs\n    from vllm import LLM\n")
+    assert vllm_imports(tmp_path / "reach.py") == {"vllm.envs", "vllm"}
+    outside = {str(f.relative_to(ROOT)): sorted(vllm_imports(f) - VLLM_PUBLIC_MODULES)
+               for f in (ROOT / "vagen").rglob("*.py") if f.name != "vllm_compat.py"}
+    assert not any(outside.values()), f"vLLM internals imported outside vagen/vllm_compat.py: {outside}"

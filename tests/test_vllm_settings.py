@@ -4,9 +4,13 @@ the rules that refuse a config before any work, and the order and guard of sleep
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import vagen.decoding_vllm as dv
+import vagen.decoding_vllm.engine
+import vagen.decoding_vllm.weights
 from vagen.config import ConfigError, check_vllm_ranks, load_config
 
 GIB = 2**30
@@ -79,8 +83,9 @@ def gpu_decoder(monkeypatch, free: int, footprint: int):
     import torch
 
     gpu = {"free": free}
-    monkeypatch.setattr(dv, "free_gpu_bytes", lambda: gpu["free"])
-    monkeypatch.setattr(dv, "total_gpu_bytes", lambda: 80 * GIB)
+    # where `WeightSync` looks them up (the package's names are copies)
+    monkeypatch.setattr(vagen.decoding_vllm.weights, "free_gpu_bytes", lambda: gpu["free"])
+    monkeypatch.setattr(vagen.decoding_vllm.weights, "total_gpu_bytes", lambda: 80 * GIB)
     decoder = object.__new__(dv.VLLMDecoder)
     decoder.settings = {**dv.DEFAULT_SETTINGS}
     decoder.on_gpu, decoder.sleeping, decoder.in_process, decoder.released_bytes = True, set(), True, 0
@@ -146,7 +151,7 @@ def test_the_v1_model_runner_is_pinned_and_an_environment_asking_for_v2_is_refus
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     vllm_compat.pin_model_runner()
-    assert dv.os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     for value in ("1", "true"):
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
         with pytest.raises(ValueError, match=f"VLLM_USE_V2_MODEL_RUNNER={value} is set.*Unset VLLM_USE_V2_MODEL_RUNNER"):
@@ -179,7 +184,7 @@ def test_a_runs_engine_is_built_for_the_ranks_share_of_episodes(monkeypatch):
             built.update(kwargs)
             raise StopIteration
 
-    monkeypatch.setattr(dv, "refuse_image_hooks", lambda path: None)
+    monkeypatch.setattr(vagen.decoding_vllm.engine, "refuse_image_hooks", lambda path: None)
     monkeypatch.setattr("vagen.distributed.world_size", lambda: 4)
     cfg = load_config("sokoban_text", ["rollout.backend=vllm", "rollout.env_groups=16", "rollout.group_size=8",
                                        "rollout.max_trajectory_length=2048"])

@@ -1,10 +1,18 @@
-"""Where vagen reaches inside vLLM: every private attribute, patched global, environment switch and
-version-dependent class the vLLM decoder (`vagen.decoding_vllm`) relies on, in one place. The rest of vagen
-calls vLLM's public API (`vllm.LLM`, `SamplingParams`, `LLM.collective_rpc`, `LLMEngine.add_request`/`step`).
+"""Where vagen reaches inside vLLM: every private attribute, internal module, patched global, environment
+switch, worker method and version-dependent class the vLLM decoder (the package `vagen.decoding_vllm`) and
+its benchmarks rely on, in one place. The rest of vagen calls vLLM's public API (`vllm.LLM` and its
+`generate`, `sleep`/`wake_up`, `collective_rpc`, `apply_model`; `SamplingParams`; `LoRARequest`;
+`LLMEngine.add_request`/`step`/`abort_request`/`add_lora`/`remove_lora`).
 
 Checked against the releases in `CHECKED`, each with the registry's CPU build: the tests marked `vllm` run on
 each (`bash scripts/vllm_env.sh VENV --vllm RELEASE`, then `VENV/bin/python -m pytest -m "vllm and not slow"
-tests/test_vllm.py tests/test_vllm_lora.py tests/test_vllm_families.py tests/test_agent_loop.py`).
+tests/test_vllm.py tests/test_vllm_lora.py tests/test_vllm_families.py tests/test_agent_loop.py`). Each
+function below names the releases it was checked against in a `# vLLM ...` line.
+
+- The process (`prepare_process`, `torch_threads_kept`): vLLM's environment switches for an engine whose
+  core runs in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) or whose workers are processes
+  (`VLLM_ALLOW_INSECURE_SERIALIZATION`, `VLLM_CPU_OMP_THREADS_BIND`), read again through `vllm.envs`'
+  cache; and the torch thread settings vLLM's CPU worker changes in the process it runs in.
 
 - The model runner (`pin_model_runner`, `model_runner_name`). vLLM 0.32 runs Model Runner V2 wherever Triton
   works (every CUDA machine) and loads logits processors there only as subclasses of V2's own base class
@@ -21,13 +29,18 @@ tests/test_vllm.py tests/test_vllm_lora.py tests/test_vllm_families.py tests/tes
 - `activation_bytes`: the activation peak the GPU worker measured at start-up, which waking must leave room for.
 - `preprocess_prompt`: a prompt through the engine's multimodal processor, as `LLM.generate` does before
   `LLMEngine.add_request` (`LLM._preprocess_cmpl_one`, the same in both releases).
+- `reload_weights`, `reload_serialized`: the worker's in-place reload (`Worker.reload_weights`), in this
+  process or in worker processes.
 - `reload_names`: the names vLLM's in-place reload takes for the weights of layers wrapped for LoRA (0.26:
   `<module>.base_layer.<param>`; 0.32: the plain names).
 - `repack_tied_heads`: the CPU's packed matmul weights of a tied language-model head, rebuilt after a reload.
+- `scheduler`: the engine core's scheduler, whose steps benchmarks/bench_agent_loop.py counts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 
@@ -43,6 +56,7 @@ SUPPRESS_ARG = "vagen_suppress_ids"
 SUPPRESS_TOKENS = f"{__name__}:SuppressTokens"
 
 
+# vLLM 0.26.0, 0.32.0
 def release() -> str:
     """The installed vLLM's version, without its local part (`0.32.0+cpu` -> `0.32.0`)."""
     import vllm
@@ -50,6 +64,7 @@ def release() -> str:
     return vllm.__version__.split("+")[0]
 
 
+# vLLM 0.26.0, 0.32.0 (VLLM_USE_V2_MODEL_RUNNER read by both)
 def pin_model_runner() -> None:
     """Run vLLM's V1 model runner (see the module's docstring); refuse an environment that asks for V2."""
     asked = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
@@ -60,6 +75,7 @@ def pin_model_runner() -> None:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 
+# vLLM 0.26.0, 0.32.0 (`Worker.model_runner`)
 def _runner_of(worker) -> str:
     runner = type(worker.model_runner)
     return f"{runner.__module__}.{runner.__qualname__}"
@@ -72,6 +88,7 @@ def model_runner_name(llm) -> str:
     return llm.collective_rpc(_runner_of)[0]
 
 
+# vLLM 0.26.0, 0.32.0 (V2's runner lives in `vllm.v1.worker.gpu.` in both)
 def runner_version(name: str) -> str:
     """"V2" for a class of Model Runner V2's package (`vllm.v1.worker.gpu.`), "V1" otherwise."""
     return "V2" if name.startswith("vllm.v1.worker.gpu.") else "V1"
@@ -85,12 +102,49 @@ def check_release() -> None:
               file=sys.stderr, flush=True)
 
 
+# vLLM 0.26.0, 0.32.0 (the variables below exist in both; `vllm.envs.disable_envs_cache`)
+def prepare_process(workers: int, cpu_binding=None) -> None:
+    """Set vLLM's environment switches for an engine of `workers` workers built in this process, pin the V1
+    model runner (`pin_model_runner`), and make vLLM read its environment again: a first engine in this
+    process froze vLLM's reading of it, and this one's settings must be read. One worker runs in this
+    process with the engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`). Several are processes, which are sent a
+    function of this module to run (`reload_serialized`: `VLLM_ALLOW_INSECURE_SERIALIZATION`); vLLM binds
+    each CPU worker to a NUMA node of its own unless told which cores to use, so `cpu_binding(workers)` (a
+    function, given on the CPU) names them in `VLLM_CPU_OMP_THREADS_BIND` unless that is set already."""
+    if workers == 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        if cpu_binding is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(workers)
+    pin_model_runner()  # the V1 runner, whose logits processors `SuppressTokens` is one of
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+
+
+# vLLM 0.26.0, 0.32.0 (the CPU worker's `torch.set_num_threads` patch)
+@contextlib.contextmanager
+def torch_threads_kept():
+    """Build an engine inside this block and torch keeps its thread count and `torch.set_num_threads`: vLLM's
+    CPU worker expects a process of its own, sets torch to one thread and replaces `torch.set_num_threads`
+    with a no-op, but here it shares the trainer's process, which gets both back."""
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+
+
+# vLLM 0.26.0 (`vllm.entrypoints.offline_utils`), 0.32.0 (`vllm.entrypoints.common.offline`): the same method
 def preprocess_prompt(llm, prompt: dict):
     """`prompt` (a `TokensPrompt` dict, frames included) as `LLMEngine.add_request` takes it: what `LLM.generate`
     does to a prompt first (the frames through vLLM's multimodal processor)."""
     return llm._preprocess_cmpl_one(prompt)
 
 
+# vLLM 0.26.0, 0.32.0 (`Worker.peak_activation_memory`)
 def _activation_report(worker):
     peak = getattr(worker, "peak_activation_memory", None)
     return None if peak is None else int(peak)
@@ -110,6 +164,7 @@ def activation_bytes(llm) -> int | None:
 _LIVE_CORES: set[int] = set()
 
 
+# vLLM 0.26.0 (the in-process client has no finalizer of its own), 0.32.0 (`InprocClient._finalizer`)
 def guard_shutdown(llm, trainer_group: bool):
     """Make the shutdown of an engine core that runs in this process (whether `shutdown(...)`, the garbage
     collector or the interpreter's exit starts it) leave alone what others still use: other engines'
@@ -132,6 +187,7 @@ def guard_shutdown(llm, trainer_group: bool):
     return finalizer
 
 
+# vLLM 0.26.0, 0.32.0 (`LLMEngine.engine_core`, the client's `shutdown`)
 def shutdown(llm, finalizer) -> None:
     """Shut the engine down: through `finalizer` (`guard_shutdown`) where its core runs in this process, else
     vLLM's own shutdown (its worker processes)."""
@@ -141,6 +197,7 @@ def shutdown(llm, finalizer) -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
+# vLLM 0.26.0, 0.32.0 (`vllm.v1.engine.core.cleanup_dist_env_and_memory`, `parallel_state._WORLD`)
 def _shutdown_in_process(core, trainer_group: bool) -> None:
     import vllm.v1.engine.core as core_module
 
@@ -171,6 +228,26 @@ def _cleanup_keeping_group() -> None:
 
 # -- weights ----------------------------------------------------------------------------------------------
 
+# vLLM 0.26.0, 0.32.0 (`Worker.reload_weights`, which passes its arguments to the model runner's)
+def reload_weights(llm, weights) -> None:
+    """Reload the engine's weights in place from `weights`, an iterator of (name, tensor) pairs in the
+    checkpoint's format, which the worker pulls one at a time: for a worker in this process (a generator
+    reads each group while it is gathered)."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+
+
+def reload_serialized(llm, payload: bytes) -> None:
+    """Reload in each worker process the (name, tensor) pairs `payload` holds (a list saved by `torch.save`)."""
+    llm.collective_rpc(_reload_serialized, args=(payload,))
+
+
+def _reload_serialized(worker, payload: bytes) -> None:
+    """Run in each vLLM worker process: reload the (name, tensor) pairs serialised in `payload`."""
+    weights = torch.load(io.BytesIO(payload), weights_only=True)
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+
+# vLLM 0.26.0 (`<module>.base_layer.<param>`), 0.32.0 (`vllm.model_executor.model_loader.reload.inplace`)
 def reload_names(llm, lora: bool):
     """A function that renames the trainer's parameter names (Hugging Face's) for vLLM's in-place reload of an
     engine built with `lora` (`enable_lora`). vLLM wraps the layers it serves adapters on, whose weights then
@@ -202,6 +279,7 @@ def _lora_wrapped(model) -> tuple[list[str], dict]:
     return names, dict(getattr(model, "packed_modules_mapping", None) or {})
 
 
+# vLLM 0.26.0, 0.32.0 (`ParallelLMHead`, `UnquantizedEmbeddingMethod.process_weights_after_loading`)
 def repack_tied_heads(engine_model) -> None:
     """Rebuild the packed weights of the engine's language-model heads. On the CPU vLLM packs a head's
     weight into a matmul kernel of its own when the model loads; a head tied to the embedding gets no
@@ -215,6 +293,13 @@ def repack_tied_heads(engine_model) -> None:
             module.quant_method.process_weights_after_loading(module)  # packs on the CPU; nothing on a GPU
 
 
+# vLLM 0.26.0, 0.32.0 (`InprocClient.engine_core`, `EngineCore.scheduler`)
+def scheduler(llm):
+    """The scheduler of an engine whose core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), whose
+    `schedule()` plans each engine step."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
 # -- the token mask ---------------------------------------------------------------------------------------
 
 def __getattr__(name: str):
@@ -226,6 +311,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# vLLM 0.26.0, 0.32.0 (`vllm.v1.sample.logits_processor`: `LogitsProcessor`, `process_dict_updates`)
 def _suppress_tokens_class() -> type:
     from vllm.v1.sample.logits_processor import LogitsProcessor
     from vllm.v1.sample.logits_processor.builtin import process_dict_updates
