@@ -4,7 +4,8 @@ held-out levels), read as synchronous and carried. Prints four Markdown tables:
 
 - held-out success per seed at the start (the warm start) and at each run's last evaluation and its last
   within --minutes, greedy and sampled, 95% Wilson intervals;
-- the difference carried − synchronous in greedy success: per training seed (seed s of one arm against seed s
+- the difference carried − synchronous in greedy success at each arm's n-th evaluation, its last, and its last
+  within --minutes: per training seed (seed s of one arm against seed s
   of the other), their mean with a 95% t interval over seeds, and the seeds' episodes pooled with Newcombe's
   interval (the same levels in both arms, so this treats paired episodes as independent: conservative);
 - the carried arm's staleness: token-weighted mean age of trained turns, the largest, episodes carried over an
@@ -135,13 +136,18 @@ def main(argv=None) -> int:
     print(f"\n| greedy success, {args.labels[1]} − {args.labels[0]} | per seed | mean over seeds (95% t interval) "
           f"| seeds' episodes pooled (95% Newcombe) |")
     print("| --- | --- | --- | --- |")
-    for name, pick in (("last evaluation", lambda curve: curve[-1]),
-                       (f"last within {args.minutes:g} CPU-min",
-                        lambda curve: ([p for p in curve if p["cpu_minutes"] <= args.minutes] or [None])[-1])):
+    # the n-th evaluations of the two arms: the same trained episodes where --eval-every gives the carried arm's
+    # larger updates proportionally fewer iterations
+    shared = min(len(arm[2][seed]["curve"]) for arm in arms for seed in seeds)
+    picks = [(f"evaluation {n + 1}", lambda curve, n=n: curve[n]) for n in range(shared)]
+    for name, pick in picks + [("last evaluation", lambda curve: curve[-1]),
+                               (f"last within {args.minutes:g} CPU-min",
+                                lambda curve: ([p for p in curve if p["cpu_minutes"] <= args.minutes] or [None])[-1])]:
         points = [[pick(arm[2][seed]["curve"]) for seed in seeds] for arm in arms]
         if any(p is None for side in points for p in side):
             print(f"| {name} | – (a run has no evaluation within the budget) | | |")
             continue
+        name += " (CPU-min {:.1f} / {:.1f})".format(*(mean([p["cpu_minutes"] for p in side]) for side in points))
         differences = [b["greedy"]["success"] - a["greedy"]["success"] for a, b in zip(*points)]
         pooled = [(sum(p["greedy"]["successes"] for p in side), sum(p["greedy"]["n"] for p in side)) for side in points]
         difference, low, high = newcombe(*pooled[1], *pooled[0])

@@ -188,7 +188,8 @@ def test_staleness_learning_pairs_seeds_and_counts_each_trained_iteration_once(t
     out = capsys.readouterr().out
     assert "| k=1 | 1 | 0.250 / 0.250 | 2, 2.0 | 0.625 (" in out
     # seed 0: 6/8 - 4/8, seed 1: 5/8 - 5/8; within 1.5 CPU-minutes seed 1 of k=1 has no evaluation
-    assert "| last evaluation | +0.250 / +0.000 | +0.125 (" in out
+    assert "| last evaluation (CPU-min 1.0 / 1.5) | +0.250 / +0.000 | +0.125 (" in out
+    assert "| evaluation 1 (CPU-min 1.0 / 1.5) | +0.250 / +0.000 |" in out
     assert "| last within 1.5 CPU-min | – (a run has no evaluation within the budget) | | |" in out
     # 4 iterations x 64 episodes in 60 CPU-seconds; 2 x 128 in 60 and in 120; iterations of 2 wall-seconds each
     assert "| k=0 | 0 | 256 | 1.00 | 4.27 | 32.00 | 15.00 |" in out
