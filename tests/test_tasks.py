@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 from scripted import ScriptedDecoder
+from test_staleness import Answers, Steps
 
 from envs_visual.base import format_response
 from vagen.config import ConfigError, check_ranks, from_dict, load_configs, main, task_configs, to_yaml
@@ -159,6 +160,58 @@ def test_per_task_metrics_beside_the_totals(tiny_text):
     assert stats["rollout/sokoban_text/turns"] == 2.0
     sokoban = [ep for ep in episodes if ep.task == "sokoban_text"]
     assert stats["rollout/sokoban_text/reward_mean"] == pytest.approx(sum(ep.total_reward for ep in sokoban) / 4)
+
+
+class Lasting(Steps):
+    """Steps (an episode on level `seed` lasts 1 + seed % 3 turns) in the text prompt format, state not graded."""
+    prompt_format, state_weights = "free_think", None
+
+
+def test_carried_episodes_stay_in_their_tasks_groups_and_are_at_most_k_updates_old(tiny_text, monkeypatch):
+    """rollout.max_staleness=1 with two tasks: each task admits its own groups and carries its own unfinished
+    episodes over the update; a group never mixes tasks, no turn is trained more than k updates after it was
+    sampled, every admitted group of every task is trained (or filtered) or in flight, none twice, and the
+    per-task metrics are those of the task's episodes that ended. Scripted decoder (the per-turn schedule) and
+    environments whose episode lengths their level seed gives."""
+    import vagen.tasks
+    from vagen.episode import ChatEncoder
+    from vagen.tasks import TaskRollouts
+
+    k, versions = 1, 6
+    cfg = _text_tasks("rollout.max_turns=3", "rollout.backend=vllm", "algo.rollout_correction=tis",
+                      f"rollout.max_staleness={k}", frozenlake_groups=2)
+    built = []
+    monkeypatch.setattr(vagen.tasks, "make_envs", lambda env, count, owner=None: built.append(count) or
+                        [Lasting() for _ in range(count)])
+    encoder = ChatEncoder(tiny_text[2])
+    source = TaskRollouts(encoder, cfg)
+    assert built == [2 * 2 * (k + 1)] * 2  # (k + 1) x each task's share of episodes
+    decoder = Answers(encoder)
+    trained = {"sokoban_text": [], "frozenlake_text": []}
+    carried = dict.fromkeys(trained, 0)
+    for version in range(versions):
+        episodes, stats = source.play(decoder, version, drain=version == versions - 1)
+        groups = {}
+        for ep in episodes:
+            groups.setdefault(ep.group_id, set()).add((ep.task, ep.admission, ep.seed))
+            assert ep.done and all(version - k <= t.version <= version for t in ep.turns)
+        assert sorted(groups) == list(range(len(episodes) // 2))  # one id per group, two episodes each
+        assert all(len(members) == 1 for members in groups.values())  # of one task, admission and level
+        tasks = [next(iter(groups[g]))[0] for g in sorted(groups)]
+        assert tasks == sorted(tasks, key=list(trained).index)  # the first task's groups, then the second's
+        for name, part in source.parts:
+            mine = [ep for ep in episodes if ep.task == name]
+            numbers = sorted({ep.admission for ep in mine})
+            assert len(numbers) >= 2  # the task's rollout ended once its 2 groups had ended, or later
+            trained[name] += numbers
+            in_flight = set(part.game.groups)
+            assert len(trained[name]) == len(set(trained[name])) and not set(trained[name]) & in_flight
+            assert set(trained[name]) | in_flight == set(range(part.admission.started))
+            assert stats[f"rollout/{name}/turns"] == pytest.approx(sum(len(ep.turns) for ep in mine) / len(mine))
+            carried[name] += len(part.game.waiting)
+        assert stats["rollout/carried_episodes"] == sum(len(part.game.waiting) for _, part in source.parts)
+    assert all(carried.values()), carried  # each task's episodes did go on after an update
+    assert all(not part.game.groups for _, part in source.parts)  # the last rollout drained every group
 
 
 def test_the_reward_std_filter_ranks_groups_within_their_task():
