@@ -58,8 +58,7 @@ def main(argv=None) -> int:
     rewarder = state_rewarder(cfg, dist)
     # What a resumed run must restore besides the engines (the state reward's recent descriptions).
     tracked = {"state_reward": rewarder.tracker} if rewarder is not None else {}
-    # and the count of level groups admitted and ended (rollout.max_staleness), which numbers the next ones
-    # (with rollout.tasks, each task's)
+    # and the count of level groups admitted and ended (rollout.max_staleness; each task's with rollout.tasks)
     admission = run_admission(cfg, dist.world_size)
     tracked["admission"] = EveryRank(admission, dist)
     start = run.maybe_resume(cfg, models.actor, models.critic, monitor, tracked)
