@@ -149,6 +149,26 @@ def test_each_task_steps_in_worker_processes_of_its_own(tiny_text):
     assert all(ep.error is None and len(ep.turns) >= 1 for ep in episodes)
 
 
+def test_a_task_whose_environments_fail_to_start_leaves_no_worker_of_another_task_behind(tiny_text, monkeypatch):
+    import vagen.tasks
+    from vagen.episode import ChatEncoder
+    from vagen.tasks import TaskRollouts
+
+    real, made = vagen.tasks.make_envs, []
+
+    def make_envs(env, count, owner=None):
+        if made:
+            raise RuntimeError("frozenlake's workers did not start")
+        made.append(real(env, count, owner))
+        return made[-1]
+
+    monkeypatch.setattr(vagen.tasks, "make_envs", make_envs)
+    with pytest.raises(RuntimeError, match="did not start"):
+        TaskRollouts(ChatEncoder(tiny_text[2]), _text_tasks("env.workers=1"))
+    (sokoban,) = made
+    assert sokoban.workers and all(worker.process.poll() is not None for worker in sokoban.workers)
+
+
 def test_per_task_metrics_beside_the_totals(tiny_text):
     episodes, stats = _play(_text_tasks(), tiny_text)
     per_task = ("success", "reward_mean", "turns", "actions", "format_ok", "action_valid", "action_effective",

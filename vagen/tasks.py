@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from vagen.config import task_configs
 from vagen.episode import ChatEncoder, Episode
-from vagen.rollout import Rollouts, graded_scores, make_envs, rollout_metrics
+from vagen.rollout import Rollouts, close_envs, graded_scores, make_envs, rollout_metrics
 from vagen.staleness import Admission
 
 # Rollout metrics of the whole rollout (times, tokens) that a task's part adds to, not a mean of.
@@ -38,10 +38,15 @@ class TaskRollouts:
         tasks = task_configs(cfg)
         counts = [admissions.parts[name].in_flight_limit * sub.rollout.group_size for name, sub in tasks]
         self.ray = shared_ray([sub.env for _, sub in tasks], counts, owner)
-        for (name, sub), count in zip(tasks, counts):
-            envs = make_envs(sub.env, count, owner=f"{owner}-{name}" if owner else None)
-            self.pools.append(envs)
-            self.parts.append((name, Rollouts(encoder, sub, envs, rank, world_size, start, admissions.parts[name])))
+        try:  # a task whose environments fail to start leaves no other task's workers (or Ray) behind
+            for (name, sub), count in zip(tasks, counts):
+                envs = make_envs(sub.env, count, owner=f"{owner}-{name}" if owner else None)
+                self.pools.append(envs)
+                self.parts.append((name, Rollouts(encoder, sub, envs, rank, world_size, start,
+                                                  admissions.parts[name])))
+        except BaseException:
+            close_envs(self.all_envs())
+            raise
 
     @property
     def envs(self):
