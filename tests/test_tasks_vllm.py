@@ -54,6 +54,7 @@ def test_the_agent_loop_plays_each_task_with_its_own_tokens_per_turn(distributed
     assert stats["rollout/sokoban_text/format_ok"] > 0 and stats["rollout/frozenlake_short/format_ok"] == 0.0
 
 
+@pytest.mark.slow  # 3 iterations of two tasks (~1 min idle); the scripted test in test_tasks.py covers the rule by default
 def test_each_task_carries_its_own_episodes_over_updates_at_most_k_old(tmp_path):
     """rollout.max_staleness=1 over two text tasks from the shipped Sokoban text warm start (standard Qwen2: no
     image hooks), whose episodes end after 1 to 5 turns: each task's rollout ends once its share of groups has
