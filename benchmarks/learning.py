@@ -13,6 +13,8 @@ Writes results.json, table.md and learning.png.
     python benchmarks/learning.py --smoke               # a couple of minutes: proves the pipeline runs
     python benchmarks/learning.py --jobs 2 ...          # two runs at once, one thread each
     python benchmarks/learning.py ... --extend --minutes 45   # the same command, continued to 45 CPU-minutes
+    .venv-vllm/bin/python benchmarks/learning.py --envs frozenlake_text --warm-start assets/checkpoints/frozenlake_text \
+        rollout.backend=vllm ...                    # the text agent, sampled by vLLM (its CPU time is counted)
 
 CPU-minutes count the training process's CPU time (all threads), evaluation excluded.
 """
