@@ -370,15 +370,6 @@ def test_eval_task_names_a_task_of_the_config():
         check_tasks(load_configs("sokoban_visual"), ["sokoban_visual"])
 
 
-def test_a_warm_start_build_is_refused_for_several_tasks(capsys):
-    from vagen.warmstart.sft import main as sft
-
-    with pytest.raises(SystemExit) as exit_:
-        sft(["--config", "multitask_visual"])
-    assert exit_.value.code == 2
-    assert "a warm start is built for one environment" in capsys.readouterr().err
-
-
 def test_a_saved_run_config_takes_command_line_turns_and_env_settings_for_every_task(tmp_path):
     saved = tmp_path / "config.yaml"
     saved.write_text(to_yaml(load_configs("multitask_visual")))
