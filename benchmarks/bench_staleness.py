@@ -27,7 +27,10 @@ checkpoint):
   (stepping environments, waiting for their answers, admitting requests); and in the iteration: the same
   over the whole iteration (the update and the weight sync included);
 - seconds per trained sample: the rollouts' wall time, and the iterations' (rollout, update, sync), over the
-  samples trained.
+  samples trained;
+- samples per update, and the episodes left waiting for the next weights at each update. Every group that has
+  ended when a rollout closes is trained: where episodes move in step, all (k + 1) x B groups in flight end
+  together and each update trains them all, carrying nothing.
 """
 
 from __future__ import annotations
@@ -159,6 +162,7 @@ def summarise(iterations: list[dict]) -> dict:
         "rollout_s_per_sample": total("rollout_s") / max(total("samples"), 1),
         "s_per_sample": iteration_s / max(total("samples"), 1),
         "carried": total("rollout/carried_episodes") / len(steady),
+        "samples_per_update": total("samples") / len(steady),
         "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in iterations),
         "samples": total("samples"),
     }
@@ -186,7 +190,7 @@ def compare(runs: dict) -> list[dict]:
         for k in ks:
             seeds = sorted(key[2] for key in runs if key[:2] == (env, k))
             row = {"env": env, "k": k, "seeds": seeds}
-            for measure in (*MEASURES, "carried", "staleness_max"):
+            for measure in (*MEASURES, "samples_per_update", "carried", "staleness_max"):
                 row[measure] = mean_interval([runs[env, k, seed][measure] for seed in seeds])[0]
             paired = [seed for seed in seeds if (env, 0, seed) in runs]
             if k > 0 and paired:
@@ -209,15 +213,16 @@ def table(rows: list[dict]) -> list[str]:
     """The markdown table of `compare`'s rows, ratios to k = 0 in parentheses."""
     lines = ["| env | k | seeds | passes / trained turn | sequences / pass | tokens computed / trained turn | "
              "engine idle: rollout | engine idle: iteration | rollout s / trained sample | s / trained sample | "
-             "carried episodes / iteration | staleness max |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "samples / update | carried episodes / update | staleness max |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         lines.append(
             f"| {row['env']} | {row['k']} | {len(row['seeds'])} | {row['passes_per_turn']:.2f}"
             f"{ratio_text(row, 'passes_per_turn')} | {row['sequences_per_pass']:.1f}{ratio_text(row, 'sequences_per_pass')} | "
             f"{row['tokens_per_turn']:.0f}{ratio_text(row, 'tokens_per_turn')} | {row['idle_rollout']:.1%} | {row['idle_iteration']:.1%} | {row['rollout_s_per_sample']:.3f}"
             f"{ratio_text(row, 'rollout_s_per_sample')} | {row['s_per_sample']:.3f}"
-            f"{ratio_text(row, 's_per_sample')} | {row['carried']:.1f} | {row['staleness_max']:.0f} |")
+            f"{ratio_text(row, 's_per_sample')} | {row['samples_per_update']:.1f} | {row['carried']:.1f} | "
+            f"{row['staleness_max']:.0f} |")
     return lines
 
 

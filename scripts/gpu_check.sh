@@ -12,10 +12,11 @@
 #    fits the whole script in 8 minutes on an H100, and prints one table: seconds per iteration and per
 #    rollout, generated and update tokens per second, peak memory, and the decoding bandwidth bound
 #    (the measured device-to-device bandwidth over the bytes a decode step must read) beside each;
-# 4. runs benchmarks/bench_staleness.py at rollout.max_staleness = 0 and 1 (the shipped warm starts of sokoban_visual
-#    and navigation_visual, image hooks off, 256-token turns, 5 iterations: the CPU table's setting in
-#    docs/benchmarks.md) and prints its table: forward passes per trained turn, sequences per pass, the engine's
-#    idle share and seconds per trained sample, k = 1 beside k = 0. About 3 more minutes.
+# 4. runs benchmarks/bench_staleness.py at rollout.max_staleness = 0 and 1 (sokoban_visual's shipped warm start,
+#    image hooks off, 256-token turns, 5 iterations: a row of the CPU table in docs/benchmarks.md) and prints its
+#    table: forward passes and tokens computed per trained turn, sequences per pass, the engine's idle share and
+#    seconds per trained sample, k = 1 beside k = 0 (at most 7 more minutes; two engine start-ups and 10 iterations
+#    of the tiny model).
 # Logs and the rows as JSON go to $OUT (or ./gpu_check) for later reading.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -110,7 +111,7 @@ done
 # Bounded staleness against the synchronous run, measured where a forward pass costs what its weights' reads
 # cost rather than what its sequences' arithmetic costs (docs/benchmarks.md, "Bounded staleness").
 say "bench_staleness.py --ks 0 1"
-timeout 420 "$PY" benchmarks/bench_staleness.py --ks 0 1 --seeds 0 --iterations 5 --timeout 200 \
+timeout 420 "$PY" benchmarks/bench_staleness.py --envs sokoban_visual --ks 0 1 --seeds 0 --iterations 5 --timeout 200 \
   --json "$LOGS/staleness.json" > "$LOGS/staleness.log" 2>&1 \
   || { echo "bench_staleness.py failed or stopped; the end of its log:"; tail -n 30 "$LOGS/staleness.log"; }
 
