@@ -26,8 +26,10 @@ checkpoint):
 - engine idle in the rollout: the share of the rollouts' wall time the engine was not inside a `step`
   (stepping environments, waiting for their answers, admitting requests); and in the iteration: the same
   over the whole iteration (the update and the weight sync included);
-- seconds per trained sample: the rollouts' wall time, and the iterations' (rollout, update, sync), over the
-  samples trained;
+- seconds per trained sample: the rollouts' wall time, the rest of the iterations' (annotation, update, weight
+  sync: "update"), and the whole iterations', over the samples trained. Staleness does not change the update's
+  work per sample, so on a machine shared with other jobs its ratio to k = 0 gauges how the load differed
+  between the two runs;
 - samples per update, and the episodes left waiting for the next weights at each update. Every group that has
   ended when a rollout closes is trained: where episodes move in step, all (k + 1) x B groups in flight end
   together and each update trains them all, carrying nothing.
@@ -53,7 +55,7 @@ ENVS = ("navigation_visual", "sokoban_visual")
 # turns; 5 (the published range's end, as bench_agent_loop's 256-token setting) leave a longer tail to carry.
 ENV_OVERRIDES = {"sokoban_visual": ["rollout.max_turns=5"], "navigation_visual": []}
 MEASURES = ("passes_per_turn", "sequences_per_pass", "tokens_per_turn", "idle_rollout", "idle_iteration",
-            "rollout_s_per_sample", "s_per_sample")
+            "rollout_s_per_sample", "other_s_per_sample", "s_per_sample")
 
 
 # -- in the child process: one training run, instrumented -----------------------------------------------------
@@ -160,6 +162,7 @@ def summarise(iterations: list[dict]) -> dict:
         "idle_rollout": 1.0 - total("step_s") / max(total("rollout_s"), 1e-9),
         "idle_iteration": 1.0 - total("step_s") / max(iteration_s, 1e-9),
         "rollout_s_per_sample": total("rollout_s") / max(total("samples"), 1),
+        "other_s_per_sample": (iteration_s - total("rollout_s")) / max(total("samples"), 1),
         "s_per_sample": iteration_s / max(total("samples"), 1),
         "carried": total("rollout/carried_episodes") / len(steady),
         "samples_per_update": total("samples") / len(steady),
@@ -195,7 +198,7 @@ def compare(runs: dict) -> list[dict]:
             paired = [seed for seed in seeds if (env, 0, seed) in runs]
             if k > 0 and paired:
                 for measure in ("passes_per_turn", "sequences_per_pass", "tokens_per_turn", "rollout_s_per_sample",
-                                "s_per_sample"):
+                                "other_s_per_sample", "s_per_sample"):
                     row[f"{measure}_ratio"] = mean_interval([runs[env, k, seed][measure] / runs[env, 0, seed][measure]
                                                              for seed in paired])
             rows.append(row)
@@ -212,15 +215,17 @@ def ratio_text(row: dict, measure: str) -> str:
 def table(rows: list[dict]) -> list[str]:
     """The markdown table of `compare`'s rows, ratios to k = 0 in parentheses."""
     lines = ["| env | k | seeds | passes / trained turn | sequences / pass | tokens computed / trained turn | "
-             "engine idle: rollout | engine idle: iteration | rollout s / trained sample | s / trained sample | "
+             "engine idle: rollout | engine idle: iteration | rollout s / trained sample | update s / trained sample | "
+             "s / trained sample | "
              "samples / update | carried episodes / update | staleness max |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         lines.append(
             f"| {row['env']} | {row['k']} | {len(row['seeds'])} | {row['passes_per_turn']:.2f}"
             f"{ratio_text(row, 'passes_per_turn')} | {row['sequences_per_pass']:.1f}{ratio_text(row, 'sequences_per_pass')} | "
             f"{row['tokens_per_turn']:.0f}{ratio_text(row, 'tokens_per_turn')} | {row['idle_rollout']:.1%} | {row['idle_iteration']:.1%} | {row['rollout_s_per_sample']:.3f}"
-            f"{ratio_text(row, 'rollout_s_per_sample')} | {row['s_per_sample']:.3f}"
+            f"{ratio_text(row, 'rollout_s_per_sample')} | {row['other_s_per_sample']:.3f}"
+            f"{ratio_text(row, 'other_s_per_sample')} | {row['s_per_sample']:.3f}"
             f"{ratio_text(row, 's_per_sample')} | {row['samples_per_update']:.1f} | {row['carried']:.1f} | "
             f"{row['staleness_max']:.0f} |")
     return lines
@@ -243,7 +248,8 @@ def main(argv=None) -> int:
     parser.add_argument("--group-size", type=int, default=4, help="rollout.group_size")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="rollout.max_new_tokens")
     parser.add_argument("--timeout", type=int, default=900, help="seconds a run may take")
-    parser.add_argument("--json", help="write every run's per-iteration records here (after each run; --table reads them)")
+    parser.add_argument("--json", help="write every run's per-iteration records here, after each run (--table reads them); the "
+                                       "runs a file of that name holds already are not run again")
     parser.add_argument("--table", help="print the table of a --json file written before, and run nothing")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: one instrumented training run
     args, rest = parser.parse_known_args(argv)
@@ -256,12 +262,16 @@ def main(argv=None) -> int:
         parser.error(f"--ks {args.ks}: include 0, the synchronous run the others are compared with")
 
     work = Path(tempfile.mkdtemp(prefix="vagen_bench_staleness_"))
-    done_runs: list[dict] = []
+    # runs an earlier, interrupted benchmark kept in --json are kept and not run again
+    saved = Path(args.json) if args.json else None
+    done_runs: list[dict] = json.loads(saved.read_text())["runs"] if saved is not None and saved.exists() else []
     try:
         models = {env: standard_warm_start(env, work / f"model_{env}") for env in args.envs}
         for seed in args.seeds:
             for env in args.envs:
                 for k in args.ks:
+                    if any((r["env"], r["k"], r["seed"]) == (env, k, seed) for r in done_runs):
+                        continue
                     iterations = run_one(work, models[env], env, k, seed, args)
                     if iterations is not None:
                         done_runs.append({"env": env, "k": k, "seed": seed, "iterations": iterations})
@@ -272,8 +282,10 @@ def main(argv=None) -> int:
     print(f"\n{', '.join(args.envs)}: {args.groups} groups x {args.group_size} per update, {args.max_new_tokens}-token "
           f"turns, {args.iterations} iterations (steady: all but the first and the last), seeds {args.seeds}, "
           f"{device_name()}; ratios to k = 0 of the same seed, mean ± 95% interval over seeds")
-    print("\n".join(table(compare(summaries(done_runs)))))
-    return 0 if len(done_runs) == len(args.envs) * len(args.ks) * len(args.seeds) else 1
+    asked = {(env, k, seed) for env in args.envs for k in args.ks for seed in args.seeds}
+    measured = [r for r in done_runs if (r["env"], r["k"], r["seed"]) in asked]
+    print("\n".join(table(compare(summaries(measured)))))
+    return 0 if len(measured) == len(asked) else 1
 
 
 def summaries(done_runs: list[dict]) -> dict:

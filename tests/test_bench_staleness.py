@@ -29,7 +29,7 @@ CARRIED = [_iteration(999, 9999, 50.0, 60.0, 90.0, 100, 36, 10.0),
 def test_a_run_is_measured_over_its_steady_iterations():
     assert bench.summarise(SYNCHRONOUS) == {
         "iterations": 2, "passes_per_turn": 300 / 200, "sequences_per_pass": 6000 / 300, "tokens_per_turn": 60000 / 200,
-        "idle_rollout": 1 - 9.0 / 12.0, "idle_iteration": 1 - 9.0 / 32.0, "rollout_s_per_sample": 12.0 / 64,
+        "idle_rollout": 1 - 9.0 / 12.0, "idle_iteration": 1 - 9.0 / 32.0, "rollout_s_per_sample": 12.0 / 64, "other_s_per_sample": 20.0 / 64,
         "s_per_sample": 32.0 / 64, "carried": 0.0, "samples_per_update": 32.0, "staleness_max": 0.0, "samples": 64}
     carried = bench.summarise(CARRIED)
     assert (carried["passes_per_turn"], carried["sequences_per_pass"]) == (150 / 200, 5400 / 150)
@@ -49,7 +49,7 @@ def test_ratios_to_k0_pair_runs_of_the_same_seed_with_a_t_interval_over_seeds():
     assert k1["passes_per_turn"] == pytest.approx((0.75 + 1.5) / 2)
     lines = bench.table([k0, k1])
     assert lines[0].startswith("| env | k | seeds | passes / trained turn | sequences / pass |")
-    assert lines[2] == "| sokoban_visual | 0 | 2 | 1.50 | 20.0 | 300 | 25.0% | 71.9% | 0.188 | 0.500 | 32.0 | 0.0 | 0 |"
+    assert lines[2] == "| sokoban_visual | 0 | 2 | 1.50 | 20.0 | 300 | 25.0% | 71.9% | 0.188 | 0.312 | 0.500 | 32.0 | 0.0 | 0 |"
     assert lines[3].startswith("| sokoban_visual | 1 | 2 | 1.12 (0.75x ± 3.18) | 28.0 (1.40x ± 5.08) |")
 
 
@@ -59,9 +59,9 @@ def test_the_table_is_printed_from_a_saved_json_without_running_anything(tmp_pat
                                           {"env": "navigation_visual", "k": 1, "seed": 0, "iterations": CARRIED}]}))
     assert bench.main(["--table", str(saved)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[2] == "| navigation_visual | 0 | 1 | 1.50 | 20.0 | 300 | 25.0% | 71.9% | 0.188 | 0.500 | 32.0 | 0.0 | 0 |"
+    assert out[2] == "| navigation_visual | 0 | 1 | 1.50 | 20.0 | 300 | 25.0% | 71.9% | 0.188 | 0.312 | 0.500 | 32.0 | 0.0 | 0 |"
     assert out[3] == ("| navigation_visual | 1 | 1 | 0.75 (0.50x) | 36.0 (1.80x) | 270 (0.90x) | 25.0% | 78.6% | 0.125 (0.67x) | "
-                      "0.438 (0.88x) | 32.0 | 15.0 | 1 |")
+                      "0.312 (1.00x) | 0.438 (0.88x) | 32.0 | 15.0 | 1 |")
 
 
 def test_a_comparison_without_k0_is_refused():
