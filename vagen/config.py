@@ -654,10 +654,6 @@ def _check_tasks(cfg: Config) -> None:
                 _check_state_reward(sub)
             except ConfigError as err:
                 raise ConfigError(f"rollout.tasks ({name}): {err}") from None
-    if cfg.rollout.max_staleness > 0:
-        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} with rollout.tasks: several tasks are "
-                          f"played synchronously, one rollout per task before each update; set "
-                          f"rollout.max_staleness=0")
 
 
 def _check_staleness(cfg: Config) -> None:
