@@ -61,7 +61,7 @@ def count_forward_passes(decoder) -> dict:
     """Wrap the engine's scheduler so that every step that runs requests is counted with its requests."""
     from vagen import vllm_compat
 
-    scheduler = vllm_compat.scheduler(decoder.llm)  # the engine core's, in this process
+    scheduler = vllm_compat.scheduler(decoder.llm.llm_engine)  # the engine core's, in this process
     counts = {"steps": 0, "sequences": 0}
     schedule = scheduler.schedule
 

@@ -64,19 +64,20 @@ def instrument(iterations: list[dict]) -> None:
     """Count, for each rollout (`Rollouts.play`), the engine's forward passes and the requests they ran, its
     requests, the seconds inside `LLMEngine.step`, the rollout's wall time and what the update then trained;
     each rollout appends a record to `iterations`."""
-    import vllm.v1.engine.llm_engine as llm_engine
+    from vllm import LLMEngine
 
     import vagen.rollout
     import vagen.train
+    from vagen import vllm_compat
 
     counts = {"passes": 0, "sequences": 0, "tokens": 0, "requests": 0, "step_s": 0.0}
-    step, add_request, play, kept_samples = (llm_engine.LLMEngine.step, llm_engine.LLMEngine.add_request,
-                                             vagen.rollout.Rollouts.play, vagen.train.kept_samples)
+    step, add_request, play, kept_samples = (LLMEngine.step, LLMEngine.add_request, vagen.rollout.Rollouts.play,
+                                             vagen.train.kept_samples)
     counted_schedulers = set()
 
     def count_passes(engine) -> None:
         """The engine's scheduler counted: a call that scheduled tokens is a forward pass."""
-        scheduler = engine.engine_core.engine_core.scheduler
+        scheduler = vllm_compat.scheduler(engine)
         if id(scheduler) in counted_schedulers:
             return
         counted_schedulers.add(id(scheduler))
@@ -119,7 +120,7 @@ def instrument(iterations: list[dict]) -> None:
         iterations[-1].update(samples=len(samples), trained_turns=sum(len(ep.turns) for ep in kept))
         return samples, stats, kept
 
-    llm_engine.LLMEngine.step, llm_engine.LLMEngine.add_request = timed_step, counted_request
+    LLMEngine.step, LLMEngine.add_request = timed_step, counted_request
     vagen.rollout.Rollouts.play, vagen.train.kept_samples = measured_play, counted_kept
 
 

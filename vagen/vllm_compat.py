@@ -294,10 +294,10 @@ def repack_tied_heads(engine_model) -> None:
 
 
 # vLLM 0.26.0, 0.32.0 (`InprocClient.engine_core`, `EngineCore.scheduler`)
-def scheduler(llm):
-    """The scheduler of an engine whose core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), whose
-    `schedule()` plans each engine step."""
-    return llm.llm_engine.engine_core.engine_core.scheduler
+def scheduler(engine):
+    """The scheduler of `engine` (an `LLMEngine`, `LLM.llm_engine`) whose core runs in this process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); its `schedule()` plans each engine step."""
+    return engine.engine_core.engine_core.scheduler
 
 
 # -- the token mask ---------------------------------------------------------------------------------------
