@@ -10,7 +10,7 @@ from vagen.config import ConfigError, load_config
 from vagen.episode import ChatEncoder
 from vagen.models import load_policy
 from vagen.rollout import make_env
-from vagen.warmstart import sft
+from vagen.warmstart import cli, sft
 from vagen.warmstart.demos import Demo, demo_episode, demo_response
 
 SOKOBAN_TEXT = "assets/checkpoints/sokoban_text"
@@ -86,13 +86,13 @@ def test_an_on_policy_build_continues_a_warm_start_with_that_stage_alone(tmp_pat
 def test_the_on_policy_flag_is_refused_without_levels_or_with_cells_only(tmp_path, capsys):
     base = ["--config", "sokoban_text", "--base", SOKOBAN_TEXT, "--out", str(tmp_path / "ws")]
     with pytest.raises(SystemExit):
-        sft.main(base + ["--on-policy-only"])
+        cli.main(base + ["--on-policy-only"])
     assert "sft.on_policy_levels=0; add e.g. sft.on_policy_levels=1000" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        sft.main(base + ["--on-policy-only", "--cells-only", "sft.on_policy_levels=8"])
+        cli.main(base + ["--on-policy-only", "--cells-only", "sft.on_policy_levels=8"])
     assert "choose one" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        sft.main(["--config", "sokoban_text", "--on-policy-only", "sft.on_policy_levels=8"])
+        cli.main(["--config", "sokoban_text", "--on-policy-only", "sft.on_policy_levels=8"])
     assert "name it with --base and the result with --out" in capsys.readouterr().err
     assert not (tmp_path / "ws").exists()
     with pytest.raises(ConfigError, match="sft.on_policy_levels=-1 must be >= 0"):

@@ -6,7 +6,7 @@ import torch
 from vagen.config import load_config
 from vagen.episode import ChatEncoder
 from vagen.models import load_policy, resolve_model_path
-from vagen.warmstart import sft
+from vagen.warmstart import cli, sft
 from vagen.warmstart.demos import distinct_eval_seeds
 
 SMALL = ["sft.demos=48", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_size=8", "sft.micro_batch_size=8",
@@ -52,7 +52,7 @@ def test_sampled_held_out_evaluation_is_seeded_and_leaves_the_callers_random_sta
 def test_a_build_writes_the_checkpoint_what_built_it_and_a_card(tmp_path, model_cache, capsys):
     out = tmp_path / "ws"
     overrides = SMALL + ["sft.max_steps=4", f"model.builtin_cache={model_cache}", "train.run_dir=" + str(tmp_path)]
-    assert sft.main(["--config", "frozenlake_text", "--out", str(out), "--eval", "8", *overrides]) == 0
+    assert cli.main(["--config", "frozenlake_text", "--out", str(out), "--eval", "8", *overrides]) == 0
     printed = capsys.readouterr().out
     assert f"train from it: deepspeed vagen/train.py --config frozenlake_text model.path={out}" in printed
     state = json.loads((out / sft.STATE_FILE).read_text())
@@ -75,7 +75,7 @@ def test_a_build_writes_the_checkpoint_what_built_it_and_a_card(tmp_path, model_
 def test_a_build_under_zero3_is_refused_before_any_work(tmp_path, capsys):
     out = tmp_path / "ws"
     with pytest.raises(SystemExit) as exit_info:
-        sft.main(["--config", "frozenlake_text", "--out", str(out), "train.deepspeed_config=deepspeed/zero3_fp32.json"])
+        cli.main(["--config", "frozenlake_text", "--out", str(out), "train.deepspeed_config=deepspeed/zero3_fp32.json"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "train.deepspeed_config=deepspeed/zero3_fp32.json partitions the parameters (ZeRO stage 3)" in err
@@ -90,7 +90,7 @@ def test_evaluating_an_existing_warm_start_rewrites_only_its_card(tmp_path, tiny
     checkpoint = tmp_path / "copy"
     shutil.copytree(path, checkpoint)
     weights = (checkpoint / "model.safetensors").read_bytes()
-    assert sft.main(["--config", "frozenlake_text", "--evaluate", str(checkpoint), "--eval", "4",
+    assert cli.main(["--config", "frozenlake_text", "--evaluate", str(checkpoint), "--eval", "4",
                      "rollout.max_turns=1", "rollout.max_new_tokens=8"]) == 0
     card = json.loads((checkpoint / sft.CARD_FILE).read_text())
     assert card["evaluation"]["rows"]["sft greedy"]["n"] == 4 and card["build"]["command"] is None  # not built here

@@ -9,7 +9,7 @@ import torch
 from vagen.config import checkpoints_dir, load_config
 from vagen.episode import ChatEncoder
 from vagen.rollout import make_env
-from vagen.warmstart import sft
+from vagen.warmstart import cli, sft
 from vagen.warmstart.mix import mixed_tasks, task_demo_samples
 
 SMALL = ["sft.demos=6", "sft.val_demos=2", "sft.exclude_eval=8", "sft.batch_size=4", "sft.micro_batch_size=4",
@@ -46,7 +46,7 @@ def test_without_task_shares_each_task_has_its_share_of_the_level_groups(tmp_pat
 @pytest.mark.parametrize("shares", ["[1, 2]", "[1, 0, 1]", "[1, 2, -1, 1]"])
 def test_task_shares_that_do_not_fit_the_tasks_are_refused(shares, capsys):
     with pytest.raises(SystemExit) as exit_:
-        sft.main(["--config", "multitask_visual", f"sft.task_shares={shares}"])
+        cli.main(["--config", "multitask_visual", f"sft.task_shares={shares}"])
     assert exit_.value.code == 2
     assert (f"sft.task_shares={shares.replace(' ', '').replace(',', ', ')} must give a positive share to each of "
             f"the 3 tasks (sokoban_visual, frozenlake_visual, navigation_visual)") in capsys.readouterr().err
@@ -58,14 +58,14 @@ def test_tasks_of_two_modalities_are_refused_before_anything_loads(tmp_path, cap
                     "    - {config: frozenlake_visual, groups: 1}\n"
                     "train:\n  mini_batch_size: 8\n  micro_batch_size: 4\n")
     with pytest.raises(SystemExit):
-        sft.main(["--config", str(path)])
+        cli.main(["--config", str(path)])
     assert "the tasks of two_modalities observe in text and vision (frozenlake_text: text, frozenlake_visual: " \
            "vision)" in capsys.readouterr().err
 
 
 def test_a_single_stage_of_a_mixed_warm_start_is_refused(capsys):
     with pytest.raises(SystemExit):
-        sft.main(["--config", "multitask_visual", "--base", "x", "--out", "y", "--cells-only"])
+        cli.main(["--config", "multitask_visual", "--base", "x", "--out", "y", "--cells-only"])
     assert "without a cell-question or on-policy stage; drop --cells-only" in capsys.readouterr().err
 
 
@@ -109,7 +109,7 @@ def _build(tmp_path, model_cache, *extra):
     out = tmp_path / "ws"
     overrides = SMALL + ["sft.max_steps=3", "sft.check_every=3", f"model.builtin_cache={model_cache}",
                          "sft.task_shares=[1, 3]"]
-    assert sft.main(["--config", _text_mix(tmp_path), "--out", str(out), *extra, *overrides]) == 0
+    assert cli.main(["--config", _text_mix(tmp_path), "--out", str(out), *extra, *overrides]) == 0
     return out
 
 

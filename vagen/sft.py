@@ -3,6 +3,6 @@
 
 if __name__ == "__main__":
     from vagen.distributed import leave_process_group
-    from vagen.warmstart.sft import main
+    from vagen.warmstart.cli import main
 
     raise SystemExit(leave_process_group(main()))
