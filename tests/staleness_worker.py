@@ -7,9 +7,11 @@
 - `--kill-in-update N`: SIGKILL in the update of iteration N (0-based);
 - `--synchronous`: each rollout played as training played it before rollout.max_staleness existed:
   `vagen.rollout.rollout` over the iteration's share of level seeds, with the iteration's request seed, on
-  the run's environments; no turn of it was carried, and every turn was the iteration's own version;
-- `--one-turn-ranks R,...`: the episodes of those ranks end after their first turn (the environment says
-  terminated); on the other ranks no episode ends before rollout.max_turns."""
+  the run's environments; no turn of it was carried, and every turn was the iteration's own version (each says
+  so on stdout);
+- `--long-rank R --short-slots N`: every episode ends after its first turn (the environment says terminated),
+  except on rank R those of its environments after the first N (in the rank's order of slots), which never end
+  before rollout.max_turns."""
 
 import argparse
 import json
@@ -38,6 +40,7 @@ def synchronous_play(self, decoder, version, drain=False):
         for turn in episode.turns:
             turn.version = version
     stats["rollout/carried_episodes"] = 0.0
+    print(f"rollout {version}: played synchronously", flush=True)
     return episodes, stats
 
 
@@ -83,16 +86,21 @@ if __name__ == "__main__":
     parser.add_argument("--record", type=Path, default=None)
     parser.add_argument("--kill-in-update", type=int, default=None)
     parser.add_argument("--synchronous", action="store_true")
-    parser.add_argument("--one-turn-ranks", default=None)
+    parser.add_argument("--long-rank", type=int, default=None)
+    parser.add_argument("--short-slots", type=int, default=0)
     args, rest = parser.parse_known_args()
     if args.record is not None:
         rollout_module.Rollouts.play = recording(args.record)
     if args.synchronous:
         rollout_module.Rollouts.play = synchronous_play
-    if args.one_turn_ranks is not None:
-        one_turn = RANK in {int(r) for r in args.one_turn_ranks.split(",")}
-        real_make_env = rollout_module.make_env
-        rollout_module.make_env = lambda *a, **k: Ending(real_make_env(*a, **k), one_turn)
+    if args.long_rank is not None:
+        real_make_env, made = rollout_module.make_env, []
+
+        def make_env(*a, **k):  # `make_envs` makes a rank's environments in the order of their slots
+            made.append(1)
+            return Ending(real_make_env(*a, **k), one_turn=RANK != args.long_rank or len(made) <= args.short_slots)
+
+        rollout_module.make_env = make_env
     if args.kill_in_update is not None:
         kill_in_update(args.kill_in_update)
     sys.exit(leave_process_group(main(rest)))

@@ -167,6 +167,7 @@ def test_k0_trains_bit_for_bit_as_the_synchronous_run(warm_start, tmp_path):
     run = ["sokoban_visual", f"model.path={warm_start}", *SMALL, "rollout.max_turns=3", "train.seed=1"]
     synchronous = _train(tmp_path, "synchronous", *run, worker=("--synchronous",))
     _succeeded(synchronous)
+    assert [f"rollout {v}: played synchronously" in synchronous.stdout for v in range(4)] == [True] * 4
     k0 = _train(tmp_path, "k0", *run, "rollout.max_staleness=0")
     _succeeded(k0)
     records = _record(tmp_path / "k0")
@@ -179,26 +180,30 @@ def test_k0_trains_bit_for_bit_as_the_synchronous_run(warm_start, tmp_path):
 
 @pytest.mark.slow
 def test_zero3_ranks_one_carrying_nothing_one_carrying_long_episodes_do_not_deadlock(tmp_path):
-    """k = 2 over two gloo ranks under ZeRO-3 (sokoban_text's warm start): rank 0's episodes end after their
-    first turn, so it never holds one back and trains every group it admitted at once, while rank 1's run to the
-    turn limit and wait across updates. The ranks meet at every collective (the carried count, the group plan,
-    the annotation, the update, the weight sync) whatever each played, and no trained turn is more than 2 updates
-    old."""
+    """k = 2 over two gloo ranks under ZeRO-3 (sokoban_text's warm start, 2 groups of 2 per rank and update):
+    every episode of rank 0 ends after its first turn, so it never holds one back and trains every group it
+    admitted at once; on rank 1 the groups played in the first 2 groups' slots end so too, and the others run to
+    the turn limit, waiting across updates. The ranks meet at every collective (the carried count, the group plan
+    and the moves that even out the groups, the annotation, the update, the weight sync) whatever each played,
+    and the turns of the long episodes are trained 2 updates late at most."""
     turns = 4
     done = _train(tmp_path, "zero3", "sokoban_text", *SMALL, "rollout.env_groups=4", f"rollout.max_turns={turns}",
                   "train.iterations=3", "algo.rollout_correction=tis", "rollout.max_staleness=2",
                   "train.deepspeed_config=deepspeed/zero3_fp32.json", "train.dist_timeout_minutes=5",
-                  worker=("--record", str(tmp_path), "--one-turn-ranks", "0"), ranks=2)
+                  worker=("--record", str(tmp_path), "--long-rank", "1", "--short-slots", "4"), ranks=2)
     _succeeded(done)
     records = _record(tmp_path / "zero3")
     assert [r["iteration"] for r in records] == [0, 1, 2]
-    assert all(r["rollout/staleness_max"] <= 2 for r in records) and records[-1]["rollout/carried_episodes"] == 0
+    assert all(r["rollout/staleness_max"] <= 2 for r in records) and records[-1]["rollout/staleness_max"] == 2
+    assert records[0]["rollout/carried_episodes"] > 0 and records[-1]["rollout/carried_episodes"] == 0
     short, long = _rollouts(tmp_path, 0), _rollouts(tmp_path, 1)
     assert [r["version"] for r in short] == [r["version"] for r in long] == [0, 1, 2]
     assert all(r["carried"] == 0 for r in short)
     assert all(ep["versions"] == [r["version"]] for r in short for ep in r["episodes"])
     assert len(short[0]["episodes"]) == 3 * 2 * 2  # every group admitted before the first update: (k + 1) x 2
-    assert any(r["carried"] > 0 for r in long) and len(long[0]["episodes"]) < len(short[0]["episodes"])
-    assert all(len(ep["versions"]) == turns for r in long for ep in r["episodes"])
+    # rank 1 closed its first rollout on the 2 short groups, with the 4 long ones unfinished
+    assert long[0]["carried"] == 4 * 2 and len(long[0]["episodes"]) == 2 * 2
+    lengths = {len(ep["versions"]) for r in long for ep in r["episodes"]}
+    assert lengths == {1, turns}
     ages = [r["version"] - v for r in long for ep in r["episodes"] for v in ep["versions"]]
-    assert max(ages) <= 2 and max(ages) > 0  # carried episodes were trained, none more than k updates late
+    assert max(ages) == 2  # carried over two updates, trained at the bound, never later
