@@ -11,7 +11,12 @@
 # 3. runs benchmarks/bench_gpu.py at Qwen2.5-VL-3B's shape with the hf and the vllm backend, a size that
 #    fits the whole script in 8 minutes on an H100, and prints one table: seconds per iteration and per
 #    rollout, generated and update tokens per second, peak memory, and the decoding bandwidth bound
-#    (the measured device-to-device bandwidth over the bytes a decode step must read) beside each.
+#    (the measured device-to-device bandwidth over the bytes a decode step must read) beside each;
+# 4. runs benchmarks/bench_staleness.py at rollout.max_staleness = 0 and 1 (sokoban_visual's shipped warm start,
+#    image hooks off, 256-token turns, 5 iterations: a row of the CPU table in docs/benchmarks.md) and prints its
+#    table: forward passes and tokens computed per trained turn, sequences per pass, the engine's idle share and
+#    seconds per trained sample, k = 1 beside k = 0 (at most 7 more minutes; two engine start-ups and 10 iterations
+#    of the tiny model).
 # Logs and the rows as JSON go to $OUT (or ./gpu_check) for later reading.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -103,6 +108,13 @@ for backend in hf vllm; do
     || { echo "bench_gpu.py --backend $backend failed; the end of its log:"; tail -n 30 "$LOGS/bench_$backend.log"; }
 done
 
+# Bounded staleness against the synchronous run, measured where a forward pass costs what its weights' reads
+# cost rather than what its sequences' arithmetic costs (docs/benchmarks.md, "Bounded staleness").
+say "bench_staleness.py --ks 0 1"
+timeout 420 "$PY" benchmarks/bench_staleness.py --envs sokoban_visual --ks 0 1 --seeds 0 --iterations 5 --timeout 200 \
+  --json "$LOGS/staleness.json" > "$LOGS/staleness.log" 2>&1 \
+  || { echo "bench_staleness.py failed or stopped; the end of its log:"; tail -n 30 "$LOGS/staleness.log"; }
+
 say "table"
 "$PY" - "$LOGS" <<'PYEOF'
 import json, sys
@@ -131,6 +143,10 @@ for backend in ("hf", "vllm"):
           f"{bound:,.0f} | {r['generated_tokens_per_s'] / bound:.0%} | {r['update_tokens_per_s']:,.0f} | "
           f"{r['weight_sync_s']:.2f} | {r['peak_gib']:.1f} |")
 PYEOF
+if [ -s "$LOGS/staleness.json" ]; then
+  echo; echo "rollout.max_staleness = 1 against 0 (ratios to k = 0 in parentheses; $LOGS/staleness.log):"
+  "$PY" benchmarks/bench_staleness.py --table "$LOGS/staleness.json"
+fi
 say "done (pytest -m gpu exit $gpu_status, engine checks exit $engine_status)"
 [ "$gpu_status" -ne 0 ] && exit "$gpu_status"
 exit "$engine_status"

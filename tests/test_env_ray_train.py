@@ -32,3 +32,25 @@ def test_navigation_trains_an_iteration_with_ray_actors_as_with_worker_processes
     assert [r["iteration"] for r in metrics["ray"]] == [0]
     assert metrics["ray"] == metrics["process"]
     assert metrics["ray"][0]["rollout/env_errors"] == 0 and metrics["ray"][0]["rollout/turns"] > 1
+
+
+@pytest.mark.slow  # two training runs over two tasks
+def test_several_tasks_train_with_ray_actors_of_one_private_instance(tmp_path, model_cache, distributed):
+    """env.backend=ray over two text tasks: each task's environments in actors of their own, in one private Ray
+    instance with room for every task's actors (the first task's pool alone would size it for its own), stopped at
+    the end; the metrics, each task's included, those of worker processes."""
+    tasks = tmp_path / "two_text_tasks.yaml"
+    tasks.write_text("rollout:\n  tasks: [{config: sokoban_text, groups: 1}, {config: frozenlake_text, groups: 1}]\n")
+    metrics = {}
+    for backend in ("process", "ray"):
+        run_dir = tmp_path / backend
+        overrides = [*TINY, "model.path=assets:sokoban_text", "env.workers=1", f"env.backend={backend}",
+                     f"train.run_dir={run_dir}"]
+        assert main(["--config", str(tasks), *overrides]) == 0
+        metrics[backend] = _metrics(run_dir)
+        assert not ray.is_initialized()
+    assert metrics["ray"] == metrics["process"]
+    (record,) = metrics["ray"]
+    for task in ("sokoban_text", "frozenlake_text"):
+        assert record[f"rollout/{task}/env_errors"] == 0 and record[f"rollout/{task}/turns"] >= 1
+    assert "actor/pg_loss" in record

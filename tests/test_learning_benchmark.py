@@ -131,6 +131,8 @@ def test_targets_are_checked_only_for_runs_of_the_budget_they_were_set_for():
     lines = learning.check_targets(results(30.0))
     assert "frozenlake TRICO: final 1.000 vs teacher 0.500 + 0.15 and >= 0.90: PASS" in lines
     assert "frozenlake GRPO: final 0.750 vs teacher 0.500 + 0.15 and >= 0.90: FAIL" in lines
+    # frozenlake_text (the text agent, for rollout.backend=vllm) has no targets: none are checked for it
+    assert learning.check_targets({"frozenlake_text": results(30.0)["frozenlake"]}) == []
 
 
 def test_the_seed_plot_draws_every_arm_even_past_its_palette(tmp_path):
@@ -144,3 +146,53 @@ def test_the_seed_plot_draws_every_arm_even_past_its_palette(tmp_path):
     assert [line.get_label() for line in ax.lines if not line.get_label().startswith("_")][:len(curves)] == list(curves)
     assert len(ax.lines) == 2 * len(curves) + 2  # every seed's curve, the warm start and the budget
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_staleness_intervals_on_published_cases():
+    staleness = load("staleness_learning")
+    # Newcombe (1998), method 10: 56/70 - 48/80 = 0.200, 95% interval 0.0524 to 0.3339
+    assert staleness.newcombe(56, 70, 48, 80) == pytest.approx((0.2, 0.0524, 0.3339), abs=5e-5)
+    # mean 2, sd 1 over 3 values: 2 +- 4.303 / sqrt(3)
+    assert staleness.t_interval([1.0, 2.0, 3.0]) == pytest.approx((2.0, -0.4843, 4.4843), abs=5e-5)
+    with pytest.raises(ValueError, match="over 1 values: needs 2 to 11"):
+        staleness.t_interval([1.0])
+
+
+def test_staleness_learning_pairs_seeds_and_counts_each_trained_iteration_once(tmp_path, capsys):
+    staleness = load("staleness_learning")
+
+    def point(iteration, cpu, successes):
+        row = {"success": successes / 8, "successes": successes, "n": 8}
+        return {"iteration": iteration, "cpu_minutes": cpu, "greedy": row, "sampled": row}
+
+    def folder(name, k, curves, episodes):
+        out = tmp_path / name
+        warm = {"greedy": {"success": 0.25, "successes": 2, "n": 8}, "sampled": {"success": 0.25}}
+        (out / "runs").mkdir(parents=True)
+        (out / "results.json").write_text(json.dumps({"frozenlake_text": {"warm_start": warm,
+                                                                            "methods": {"GRPO": curves}}}))
+        for seed, curve in curves.items():
+            rows = [{"iteration": i, "rollout/filter_kept_trajectories": episodes, "timing/iteration": 2.0,
+                     "rollout/staleness_mean": 0.1 * k, "rollout/staleness_max": float(k),
+                     "rollout/carried_episodes": float(k), "rollout/filter_kept_groups": episodes / 8}
+                    for i in range(curve[-1]["iteration"])]
+            rows.insert(1, dict(rows[1], **{"timing/iteration": 99.0}))  # a chunk's first try, logged again
+            run = out / "runs" / f"frozenlake_text-GRPO-seed{seed}"
+            run.mkdir()
+            (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return out
+
+    k0 = folder("k0", 0, {"0": [point(4, 1.0, 4)], "1": [point(4, 1.0, 5)]}, 64)
+    k1 = folder("k1", 1, {"0": [point(2, 1.0, 6)], "1": [point(2, 2.0, 5)]}, 128)
+    assert staleness.main([str(k0), str(k1), "--minutes", "1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "| k=1 | 1 | 0.250 / 0.250 | 2, 2.0 | 0.625 (" in out
+    # seed 0: 6/8 - 4/8, seed 1: 5/8 - 5/8; within 1.5 CPU-minutes seed 1 of k=1 has no evaluation
+    assert "| last evaluation (CPU-min 1.0 / 1.5) | +0.250 / +0.000 | +0.125 (" in out
+    assert "| evaluation 1 (CPU-min 1.0 / 1.5) | +0.250 / +0.000 |" in out
+    assert "| last within 1.5 CPU-min | – (a run has no evaluation within the budget) | | |" in out
+    # 4 iterations x 64 episodes in 60 CPU-seconds; 2 x 128 in 60 and in 120; iterations of 2 wall-seconds each
+    assert "| k=0 | 0 | 256 | 1.00 | 4.27 | 32.00 | 15.00 |" in out
+    assert "| k=1 | 1 | 256 | 2.00 | 2.13 | 64.00 | 60.00 |" in out
+    assert "episodes per CPU-s, k=1 / k=0 by seed: 1.00 / 0.50; mean 0.75" in out
+    assert "| k=1 | 0 | 2 | 0.100 | 1 | 1.00 (2) |" in out

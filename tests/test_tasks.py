@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 from scripted import ScriptedDecoder
+from test_staleness import Answers, Steps
 
 from envs_visual.base import format_response
 from vagen.config import ConfigError, check_ranks, from_dict, load_configs, main, task_configs, to_yaml
@@ -148,6 +149,26 @@ def test_each_task_steps_in_worker_processes_of_its_own(tiny_text):
     assert all(ep.error is None and len(ep.turns) >= 1 for ep in episodes)
 
 
+def test_a_task_whose_environments_fail_to_start_leaves_no_worker_of_another_task_behind(tiny_text, monkeypatch):
+    import vagen.tasks
+    from vagen.episode import ChatEncoder
+    from vagen.tasks import TaskRollouts
+
+    real, made = vagen.tasks.make_envs, []
+
+    def make_envs(env, count, owner=None):
+        if made:
+            raise RuntimeError("frozenlake's workers did not start")
+        made.append(real(env, count, owner))
+        return made[-1]
+
+    monkeypatch.setattr(vagen.tasks, "make_envs", make_envs)
+    with pytest.raises(RuntimeError, match="did not start"):
+        TaskRollouts(ChatEncoder(tiny_text[2]), _text_tasks("env.workers=1"))
+    (sokoban,) = made
+    assert sokoban.workers and all(worker.process.poll() is not None for worker in sokoban.workers)
+
+
 def test_per_task_metrics_beside_the_totals(tiny_text):
     episodes, stats = _play(_text_tasks(), tiny_text)
     per_task = ("success", "reward_mean", "turns", "actions", "format_ok", "action_valid", "action_effective",
@@ -159,6 +180,100 @@ def test_per_task_metrics_beside_the_totals(tiny_text):
     assert stats["rollout/sokoban_text/turns"] == 2.0
     sokoban = [ep for ep in episodes if ep.task == "sokoban_text"]
     assert stats["rollout/sokoban_text/reward_mean"] == pytest.approx(sum(ep.total_reward for ep in sokoban) / 4)
+
+
+class Lasting(Steps):
+    """Steps (an episode on level `seed` lasts 1 + seed % 3 turns) in the text prompt format, state not graded."""
+    prompt_format, state_weights = "free_think", None
+
+
+def test_carried_episodes_stay_in_their_tasks_groups_and_are_at_most_k_updates_old(tiny_text, monkeypatch):
+    """rollout.max_staleness=1 with two tasks: each task admits its own groups and carries its own unfinished
+    episodes over the update; a group never mixes tasks, no turn is trained more than k updates after it was
+    sampled, every admitted group of every task is trained (or filtered) or in flight, none twice, and the
+    per-task metrics are those of the task's episodes that ended. Scripted decoder (the per-turn schedule) and
+    environments whose episode lengths their level seed gives."""
+    import vagen.tasks
+    from vagen.episode import ChatEncoder
+    from vagen.tasks import TaskRollouts
+
+    k, versions = 1, 6
+    cfg = _text_tasks("rollout.max_turns=3", "rollout.backend=vllm", "algo.rollout_correction=tis",
+                      f"rollout.max_staleness={k}", frozenlake_groups=2)
+    built = []
+    monkeypatch.setattr(vagen.tasks, "make_envs", lambda env, count, owner=None: built.append(count) or
+                        [Lasting() for _ in range(count)])
+    encoder = ChatEncoder(tiny_text[2])
+    source = TaskRollouts(encoder, cfg)
+    assert built == [2 * 2 * (k + 1)] * 2  # (k + 1) x each task's share of episodes
+    decoder = Answers(encoder)
+    trained = {"sokoban_text": [], "frozenlake_text": []}
+    carried = dict.fromkeys(trained, 0)
+    for version in range(versions):
+        episodes, stats = source.play(decoder, version, drain=version == versions - 1)
+        groups = {}
+        for ep in episodes:
+            groups.setdefault(ep.group_id, set()).add((ep.task, ep.admission, ep.seed))
+            assert ep.done and all(version - k <= t.version <= version for t in ep.turns)
+        assert sorted(groups) == list(range(len(episodes) // 2))  # one id per group, two episodes each
+        assert all(len(members) == 1 for members in groups.values())  # of one task, admission and level
+        tasks = [next(iter(groups[g]))[0] for g in sorted(groups)]
+        assert tasks == sorted(tasks, key=list(trained).index)  # the first task's groups, then the second's
+        for name, part in source.parts:
+            mine = [ep for ep in episodes if ep.task == name]
+            numbers = sorted({ep.admission for ep in mine})
+            assert len(numbers) >= 2  # the task's rollout ended once its 2 groups had ended, or later
+            trained[name] += numbers
+            in_flight = set(part.game.groups)
+            assert len(trained[name]) == len(set(trained[name])) and not set(trained[name]) & in_flight
+            assert set(trained[name]) | in_flight == set(range(part.admission.started))
+            assert stats[f"rollout/{name}/turns"] == pytest.approx(sum(len(ep.turns) for ep in mine) / len(mine))
+            carried[name] += len(part.game.waiting)
+        assert stats["rollout/carried_episodes"] == sum(len(part.game.waiting) for _, part in source.parts)
+    assert all(carried.values()), carried  # each task's episodes did go on after an update
+    assert all(not part.game.groups for _, part in source.parts)  # the last rollout drained every group
+
+
+def test_a_run_over_several_tasks_resumed_after_a_drained_checkpoint_plays_what_the_uninterrupted_one_did(
+        tiny_text, monkeypatch):
+    """k = 1: the rollout before a checkpoint ends every group each task started; each task's admission counts
+    (`TaskAdmissions`, what the checkpoint keeps) restore its numbering, so a run resumed at the next iteration
+    plays what the uninterrupted run played, task for task and group for group. A checkpoint of a synchronous
+    run that kept no per-task counts numbers each task's groups as the synchronous run does."""
+    import vagen.tasks
+    from vagen.episode import ChatEncoder
+    from vagen.tasks import TaskAdmissions, TaskRollouts
+
+    cfg = _text_tasks("rollout.max_turns=3", "rollout.backend=vllm", "algo.rollout_correction=tis",
+                      "rollout.max_staleness=1", frozenlake_groups=2)
+    monkeypatch.setattr(vagen.tasks, "make_envs", lambda env, count, owner=None: [Lasting() for _ in range(count)])
+    encoder, saved_after = ChatEncoder(tiny_text[2]), 2
+
+    def played(source, versions):
+        out = []
+        for version in versions:
+            episodes, stats = source.play(Answers(encoder), version, drain=version == saved_after)
+            out.append([(ep.task, ep.group_id, ep.admission, ep.seed, [t.version for t in ep.turns], ep.input_ids)
+                        for ep in episodes])
+            if version == saved_after:
+                assert stats["rollout/carried_episodes"] == 0
+        return out
+
+    admissions = TaskAdmissions(cfg)
+    source = TaskRollouts(encoder, cfg, admissions=admissions)
+    uninterrupted = played(source, range(3))
+    saved = json.loads(json.dumps(admissions.state_dict()))  # as trainer_state.json keeps it
+    # more groups than 3 iterations' shares ended by then: the synchronous numbering would replay some
+    assert any(counts["started"] > 3 * 2 for counts in saved["tasks"].values()), saved
+    uninterrupted += played(source, range(3, 6))
+    restored = TaskAdmissions(cfg)
+    restored.load_state_dict(saved)
+    resumed = played(TaskRollouts(encoder, cfg, start=saved_after + 1, admissions=restored), range(3, 6))
+    assert resumed == uninterrupted[3:]
+    old = TaskAdmissions(cfg)
+    old.load_state_dict({"started": 0, "ended": 0})  # one count, never advanced: a run over tasks before this
+    TaskRollouts(encoder, cfg, start=3, admissions=old)
+    assert [(a.started, a.ended) for a in old.parts.values()] == [(6, 6), (6, 6)]
 
 
 def test_the_reward_std_filter_ranks_groups_within_their_task():
@@ -255,15 +370,6 @@ def test_eval_task_names_a_task_of_the_config():
         check_tasks(load_configs("sokoban_visual"), ["sokoban_visual"])
 
 
-def test_a_warm_start_build_is_refused_for_several_tasks(capsys):
-    from vagen.warmstart.sft import main as sft
-
-    with pytest.raises(SystemExit) as exit_:
-        sft(["--config", "multitask_visual"])
-    assert exit_.value.code == 2
-    assert "a warm start is built for one environment" in capsys.readouterr().err
-
-
 def test_a_saved_run_config_takes_command_line_turns_and_env_settings_for_every_task(tmp_path):
     saved = tmp_path / "config.yaml"
     saved.write_text(to_yaml(load_configs("multitask_visual")))
@@ -287,3 +393,75 @@ def test_the_state_reward_needs_graded_fields_in_every_tasks_format(tmp_path):
     cfg = load_configs(None, [tasks, "algo.state_reward=rules", "model.path=builtin:tiny-text", "train.mini_batch_size=8",
                               "env.prompt_format=grounding_worldmodeling"])
     assert [t.env["prompt_format"] for t in cfg.rollout.tasks] == ["grounding_worldmodeling"] * 2
+
+
+# -- tasks with the rest of training: LoRA, resume -----------------------------------------------------------
+
+TEXT_RUN = ["model.path=assets:sokoban_text", "rollout.group_size=2", "rollout.max_turns=2", "rollout.max_new_tokens=24",
+            "train.mini_batch_size=4", "train.micro_batch_size=2", "log.progress=false", "eval.every=0"]
+TEXT_TASK_NAMES = ("sokoban_text", "frozenlake_text")
+
+
+def text_tasks_config(tmp_path):
+    """A config file listing two text tasks, a level group of each per iteration."""
+    path = tmp_path / "two_text_tasks.yaml"
+    path.write_text("rollout:\n  tasks: [{config: sokoban_text, groups: 1}, {config: frozenlake_text, groups: 1}]\n")
+    return str(path)
+
+
+def _train_tasks(config, run_dir, name, *extra):
+    from vagen.train import main as train
+
+    assert train(["--config", config, *TEXT_RUN, f"train.run_dir={run_dir}", f"train.run_name={name}", *extra]) == 0
+    return run_dir / name
+
+
+def _records(run):
+    return [{k: v for k, v in json.loads(line).items() if k != "time" and not k.startswith("timing/")}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _has_task_metrics(record):
+    return all(f"rollout/{task}/{key}" in record for task in TEXT_TASK_NAMES for key in ("success", "reward_mean",
+                                                                                          "turns", "format_ok"))
+
+
+@pytest.mark.slow  # a training run: 13 s on the 2-core machine at load 13
+def test_lora_trains_the_adapters_over_several_tasks(tmp_path, distributed):
+    from safetensors.torch import load_file
+
+    run = _train_tasks(text_tasks_config(tmp_path), tmp_path, "lora", "train.iterations=1", "model.lora_rank=8",
+                       "train.actor_lr=0.003")
+    (record,) = _records(run)
+    assert _has_task_metrics(record) and record["rollout/filter_total_groups"] == 2.0
+    assert record["rollout/success"] == pytest.approx((record["rollout/sokoban_text/success"]
+                                                       + record["rollout/frozenlake_text/success"]) / 2)
+    adapters = load_file(run / "checkpoints" / "step_1" / "actor" / "adapter_model.safetensors")
+    # peft starts each B matrix at zero: the update moved them
+    moved = [key for key, value in adapters.items() if "lora_B" in key and value.abs().max() > 0]
+    assert moved and all(".lora_" in key for key in adapters)
+
+
+@pytest.mark.slow  # three training runs: 20 s on the 2-core machine at load 13
+def test_a_resumed_run_over_several_tasks_is_the_uninterrupted_one(tmp_path, distributed):
+    """Stopped after 2 of 3 iterations and resumed from its checkpoint: the same metrics (each task's included)
+    and the same parameters as the run never stopped; the checkpoint keeps each task's count of level groups."""
+    from safetensors.torch import load_file
+
+    config = text_tasks_config(tmp_path)
+    straight = _train_tasks(config, tmp_path, "straight", "train.iterations=3")
+    _train_tasks(config, tmp_path, "resumed", "train.iterations=2", "train.save_every=1")
+    state = json.loads((tmp_path / "resumed" / "checkpoints" / "step_2" / "trainer_state.json").read_text())
+    assert state["admission"]["ranks"] == [{"tasks": {task: {"started": 2, "ended": 2} for task in TEXT_TASK_NAMES}}]
+    resumed = _train_tasks(config, tmp_path, "resumed", "train.iterations=3", "train.save_every=1", "train.resume=auto")
+    expected = _records(straight)
+    assert [r["iteration"] for r in expected] == [0, 1, 2] and all(_has_task_metrics(r) for r in expected)
+    assert _records(resumed) == expected
+    files = sorted(p.relative_to(straight / "checkpoints" / "step_3")
+                   for p in (straight / "checkpoints" / "step_3").rglob("*.safetensors"))
+    assert files
+    for file in files:
+        want, got = (load_file(run / "checkpoints" / "step_3" / file) for run in (straight, resumed))
+        assert want.keys() == got.keys()
+        for key in want:
+            assert torch.equal(got[key], want[key]), f"{file}: {key}"

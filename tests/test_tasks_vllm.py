@@ -2,12 +2,19 @@
 
     .venv-vllm/bin/python -m pytest -m vllm tests/test_tasks_vllm.py
 
-Each task's requests take its own tokens per turn, and its groups keep their own ids.
+Each task's requests take its own tokens per turn, and its groups keep their own ids; with rollout.max_staleness
+each task carries its own episodes over the update.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+from child_env import child_env
 from test_vllm import require_vllm
 
 from vagen.config import checkpoints_dir, load_configs
@@ -45,3 +52,49 @@ def test_the_agent_loop_plays_each_task_with_its_own_tokens_per_turn(distributed
     # the Sokoban warm start writes a <think> longer than FrozenLake's 6 tokens
     assert max(t.response_length for ep in episodes if ep.task == "sokoban_text" for t in ep.turns) > 7
     assert stats["rollout/sokoban_text/format_ok"] > 0 and stats["rollout/frozenlake_short/format_ok"] == 0.0
+
+
+@pytest.mark.slow  # 3 iterations of two tasks (~1 min idle); the scripted test in test_tasks.py covers the rule by default
+def test_each_task_carries_its_own_episodes_over_updates_at_most_k_old(tmp_path):
+    """rollout.max_staleness=1 over two text tasks from the shipped Sokoban text warm start (standard Qwen2: no
+    image hooks), whose episodes end after 1 to 5 turns: each task's rollout ends once its share of groups has
+    ended, its other episodes go on after the update, no trained turn is more than one update old, every group
+    a task admitted is trained (or filtered out: the reward-std filter keeps half of each task's) or in
+    flight, never twice, and the last rollout drains before the checkpoint."""
+    require_vllm()
+    record = tmp_path / "rollouts.jsonl"
+    tasks = tmp_path / "two_text_tasks.yaml"
+    tasks.write_text("rollout:\n  tasks: [{config: sokoban_text, groups: 2}, {config: frozenlake_text, groups: 2}]\n")
+    overrides = [str(tasks), "model.path=assets:sokoban_text", "rollout.backend=vllm", "algo.rollout_correction=tis",
+                 "rollout.max_staleness=1", "train.iterations=3", "train.seed=3", "rollout.group_size=2",
+                 "rollout.max_turns=5", "rollout.max_new_tokens=48", "algo.filter_mode=std",
+                 "algo.filter_keep_ratio=0.5", "train.mini_batch_size=4", "train.micro_batch_size=2", "eval.every=0",
+                 "log.progress=false", f"train.run_dir={tmp_path}", "train.run_name=run"]
+    worker = Path(__file__).parent / "tasks_worker.py"
+    out = subprocess.run([sys.executable, str(worker), "--record", str(record), "--config", *overrides],
+                         env=child_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout[-3000:] + out.stderr[-5000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [r["iteration"] for r in metrics] == [r["version"] for r in rollouts] == [0, 1, 2]
+    assert all(r["rollout/staleness_max"] <= 1 for r in metrics)
+    assert any(r["rollout/carried_episodes"] > 0 for r in metrics) and metrics[-1]["rollout/carried_episodes"] == 0
+    assert metrics[-1]["rollout/staleness_max"] == 1  # carried episodes were trained one update later
+    trained = {"sokoban_text": [], "frozenlake_text": []}
+    for played, r in zip(rollouts, metrics):
+        groups = {}
+        for ep in played["episodes"]:
+            groups.setdefault(ep["group_id"], set()).add((ep["task"], ep["admission"]))
+            assert all(played["version"] - 1 <= v <= played["version"] for v in ep["versions"])
+        assert all(len(members) == 1 for members in groups.values())  # a group is one task's, one admission
+        assert r["rollout/filter_total_groups"] == len(groups)  # every group that ended went to the filter
+        for name, state in played["tasks"].items():
+            numbers = sorted({ep["admission"] for ep in played["episodes"] if ep["task"] == name})
+            assert len(numbers) >= 2  # the task's share ended whole, or more
+            trained[name] += numbers
+            assert len(trained[name]) == len(set(trained[name])) and not set(trained[name]) & set(state["in_flight"])
+            assert set(trained[name]) | set(state["in_flight"]) == set(range(state["started"]))
+            for key in ("success", "reward_mean", "turns", "format_ok"):
+                assert f"rollout/{name}/{key}" in r, (name, key)
+    assert all(not state["in_flight"] for state in rollouts[-1]["tasks"].values())  # drained before the checkpoint
+    assert any(len(set(ep["versions"])) > 1 for played in rollouts for ep in played["episodes"])

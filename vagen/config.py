@@ -301,6 +301,8 @@ class SFTConfig:
                                   "by the teacher from the state the model reached, after the model's own earlier "
                                   "turns, and those answers are learned mixed with the demonstrations; 0 = no such stage")
     on_policy_steps: int = _f(400, "optimizer steps of the on-policy stage (new optimizer, a cosine from sft.lr)")
+    task_shares: list = _f([], "a warm start of several tasks (rollout.tasks): each task's share of the batches, in "
+                               "the tasks' order (any positive scale); empty = their shares of the level groups")
 
 
 @dataclass
@@ -654,10 +656,6 @@ def _check_tasks(cfg: Config) -> None:
                 _check_state_reward(sub)
             except ConfigError as err:
                 raise ConfigError(f"rollout.tasks ({name}): {err}") from None
-    if cfg.rollout.max_staleness > 0:
-        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} with rollout.tasks: several tasks are "
-                          f"played synchronously, one rollout per task before each update; set "
-                          f"rollout.max_staleness=0")
 
 
 def _check_staleness(cfg: Config) -> None:

@@ -85,15 +85,9 @@ class RayEnvWorkers(EnvWorkers):
         self.workers, self.example_env = [], None
         actors = min(workers, max(count, 1))
         if not ray.is_initialized():
-            if address == "local":
-                # A private instance with room for exactly this pool's actors; its workers find vagen (and
-                # the environments' modules) where this process does.
-                ray.init(address="local", num_cpus=max(1, math.ceil(actors * self.cpus)),
-                         resources={name: amount * actors for name, amount in self.resources.items()},
-                         include_dashboard=False, namespace=self.namespace, logging_level="warning",
-                         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
-            else:
-                ray.init(address=address, namespace=self.namespace, logging_level="warning")
+            # a private instance has room for exactly this pool's actors
+            connect(address, actors * self.cpus, {name: amount * actors for name, amount in self.resources.items()},
+                    self.namespace)
             self.started_ray = True
         self.address = ray.get_runtime_context().gcs_address
         try:
@@ -194,6 +188,52 @@ class RayEnvWorkers(EnvWorkers):
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+
+
+def connect(address: str, cpus: float, resources: dict[str, float], namespace: str) -> None:
+    """Connect this process to Ray: `address=local` starts a private instance of `cpus` CPUs (rounded up) and the
+    custom `resources` (totals), whose workers find vagen (and the environments' modules) where this process
+    does; another address joins that cluster."""
+    import ray
+
+    if address == "local":
+        ray.init(address="local", num_cpus=max(1, math.ceil(cpus)), resources=resources, include_dashboard=False,
+                 namespace=namespace, logging_level="warning",
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
+    else:
+        ray.init(address=address, namespace=namespace, logging_level="warning")
+
+
+class SharedRay:
+    """One Ray connection for several pools of one process (the tasks of rollout.tasks, each a `RayEnvWorkers`):
+    made before them, with a private instance's room for all their actors (env.ray_address=local), so that each
+    pool finds this process connected, uses the connection and leaves it open; `close`, after theirs, ends it."""
+
+    def __init__(self, address: str, cpus: float, resources: dict[str, float], namespace: str):
+        connect(address, cpus, resources, namespace)
+        self.address = address
+
+    @classmethod
+    def for_pools(cls, pools: list[tuple], owner: str | None) -> SharedRay | None:
+        """The connection for `pools`, (env config section, environments) pairs on the address of the first;
+        None when this process is connected already (by its caller, which then closes it)."""
+        import ray
+
+        if ray.is_initialized():
+            return None
+        cpus, resources = 0.0, {}
+        for cfg_env, count in pools:
+            actors = min(cfg_env.workers, max(count, 1))
+            cpus += actors * cfg_env.ray_cpus
+            for name, amount in cfg_env.ray_resources.items():
+                resources[name] = resources.get(name, 0.0) + amount * actors
+        namespace = f"vagen-{owner}-{uuid.uuid4().hex[:6]}" if owner else f"vagen-{uuid.uuid4().hex[:8]}"
+        return cls(pools[0][0].ray_address, cpus, resources, namespace)
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
 
 
 class _RayWorker(_Worker):

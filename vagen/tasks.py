@@ -7,13 +7,18 @@ Group ids stay within a task: on a rank, task t's groups are numbered after thos
 reward-std filter (`vagen.update.filter_by_task`), GRPO's and GiGPO's groups and advantage whitening
 (`vagen.update.whiten_by_task`) never mix tasks. Metrics of each task go under `rollout/<task>/...` beside
 the totals (`task_metrics`).
+
+With `rollout.max_staleness = k > 0` each task admits its own groups (`vagen.staleness.Admission`, kept per task
+in a checkpoint: `TaskAdmissions`) and its rollout ends once its share has ended whole; its unfinished episodes
+wait in its own `Game` and go on after the update, so a group is always one task's.
 """
 
 from __future__ import annotations
 
 from vagen.config import task_configs
 from vagen.episode import ChatEncoder, Episode
-from vagen.rollout import Rollouts, graded_scores, make_envs, rollout_metrics
+from vagen.rollout import Rollouts, close_envs, graded_scores, make_envs, rollout_metrics
+from vagen.staleness import Admission
 
 # Rollout metrics of the whole rollout (times, tokens) that a task's part adds to, not a mean of.
 SUMMED = ("timing/generate", "timing/env", "rollout/generated_tokens", "rollout/carried_episodes")
@@ -21,17 +26,27 @@ SUMMED = ("timing/generate", "timing/env", "rollout/generated_tokens", "rollout/
 
 class TaskRollouts:
     """A training run's rollouts over `rollout.tasks` on one rank: a `vagen.rollout.Rollouts` per task, each with
-    the environments of its own config (`env.workers` processes or Ray actors per task), played one task after
-    the other before each update. `play` has the interface of `Rollouts.play`."""
+    the environments of its own config (`env.workers` processes or Ray actors per task; (k + 1) x its share of
+    episodes with rollout.max_staleness = k) and its own admission of groups (`admissions`, restored from a
+    checkpoint when the run resumes), played one task after the other before each update. `play` has the
+    interface of `Rollouts.play`."""
 
     def __init__(self, encoder: ChatEncoder, cfg, rank: int = 0, world_size: int = 1, start: int = 0,
-                 owner: str | None = None):
+                 owner: str | None = None, admissions: TaskAdmissions | None = None):
         self.cfg, self.parts, self.pools = cfg, [], []
-        for name, sub in task_configs(cfg):
-            share = sub.rollout.env_groups // world_size
-            envs = make_envs(sub.env, share * sub.rollout.group_size, owner=f"{owner}-{name}" if owner else None)
-            self.pools.append(envs)
-            self.parts.append((name, share, Rollouts(encoder, sub, envs, rank, world_size, start)))
+        admissions = admissions or TaskAdmissions(cfg, world_size)
+        tasks = task_configs(cfg)
+        counts = [admissions.parts[name].in_flight_limit * sub.rollout.group_size for name, sub in tasks]
+        self.ray = shared_ray([sub.env for _, sub in tasks], counts, owner)
+        try:  # a task whose environments fail to start leaves no other task's workers (or Ray) behind
+            for (name, sub), count in zip(tasks, counts):
+                envs = make_envs(sub.env, count, owner=f"{owner}-{name}" if owner else None)
+                self.pools.append(envs)
+                self.parts.append((name, Rollouts(encoder, sub, envs, rank, world_size, start,
+                                                  admissions.parts[name])))
+        except BaseException:
+            close_envs(self.all_envs())
+            raise
 
     @property
     def envs(self):
@@ -39,19 +54,22 @@ class TaskRollouts:
         return self.pools[0]
 
     def all_envs(self) -> list:
-        """Every task's environments and worker pools, for `vagen.rollout.close_envs`."""
-        return [env for pool in self.pools for env in (pool if isinstance(pool, list) else [pool])]
+        """Every task's environments and worker pools, for `vagen.rollout.close_envs` (then the Ray instance
+        they share, `shared_ray`)."""
+        pools = [env for pool in self.pools for env in (pool if isinstance(pool, list) else [pool])]
+        return pools + ([self.ray] if self.ray is not None else [])
 
     def play(self, decoder, version: int, drain: bool = False) -> tuple[list[Episode], dict[str, float]]:
-        """Each task's rollout in turn; its episodes' group ids shifted past the earlier tasks' groups and
-        `task` set; the rollout's timing summed and each task's metrics under rollout/<task>/."""
+        """Each task's rollout in turn; its episodes' group ids shifted past the earlier tasks' groups (with
+        rollout.max_staleness > 0 a task may end more groups than its share) and `task` set; the rollout's
+        timing summed and each task's metrics under rollout/<task>/."""
         episodes, stats, offset = [], dict.fromkeys(SUMMED, 0.0), 0
-        for name, share, source in self.parts:
+        for name, source in self.parts:
             played, part = source.play(decoder, version, drain)
             for ep in played:
                 ep.group_id += offset
                 ep.task = name
-            offset += share
+            offset += len(played) // source.cfg.rollout.group_size
             for key, value in part.items():
                 stats[key] = stats.get(key, 0.0) + value if key in SUMMED else value
             envs = source.envs
@@ -65,3 +83,41 @@ def task_metrics(name: str, episodes: list[Episode], graded: tuple[str, ...] = (
     """`vagen.rollout.rollout_metrics` of one task's episodes, each key rollout/<name>/<metric>."""
     return {f"rollout/{name}/{key.removeprefix('rollout/')}": value
             for key, value in rollout_metrics(episodes, graded).items()}
+
+
+class TaskAdmissions:
+    """Each task's `vagen.staleness.Admission` of its share of level groups on a rank (`parts`, by task name),
+    saved in a checkpoint together. A checkpoint without per-task counts (saved by a synchronous run before
+    they were kept) restores none: each task then numbers its groups as the synchronous run does
+    (`Admission.resume`)."""
+
+    def __init__(self, cfg, world_size: int = 1):
+        self.parts = {name: Admission(sub.rollout.env_groups // world_size, cfg.rollout.max_staleness)
+                      for name, sub in task_configs(cfg)}
+
+    def state_dict(self) -> dict:
+        return {"tasks": {name: admission.state_dict() for name, admission in self.parts.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, counts in state.get("tasks", {}).items():
+            if name in self.parts:
+                self.parts[name].load_state_dict(counts)
+
+
+def run_admission(cfg, world_size: int):
+    """The admission of a run's level groups on a rank: one `Admission`, or with rollout.tasks each task's."""
+    if cfg.rollout.tasks:
+        return TaskAdmissions(cfg, world_size)
+    return Admission(cfg.rollout.env_groups // world_size, cfg.rollout.max_staleness)
+
+
+def shared_ray(envs: list, counts: list[int], owner: str | None):
+    """One Ray connection for the tasks whose environments are Ray actors (`vagen.env_ray.SharedRay`), made here
+    when this process has none: the first pool would otherwise start (or join) Ray for its own actors only, and
+    stop it when closed, under the others'. None when no task uses Ray, or Ray is connected already."""
+    on_ray = [(env, count) for env, count in zip(envs, counts) if env.workers > 0 and env.backend == "ray"]
+    if not on_ray:
+        return None
+    from vagen.env_ray import SharedRay  # Ray is an optional dependency
+
+    return SharedRay.for_pools(on_ray, owner)

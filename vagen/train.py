@@ -47,8 +47,8 @@ def main(argv=None) -> int:
     from vagen.console import Progress
     from vagen.rollout import close_envs, make_decoder
     from vagen.run import RunDir, reduce_metrics
-    from vagen.staleness import Admission
     from vagen.state_reward import state_rewarder
+    from vagen.tasks import run_admission
 
     torch.manual_seed(cfg.train.seed + dist.rank)
     run = RunDir.create(cfg, dist)
@@ -58,8 +58,8 @@ def main(argv=None) -> int:
     rewarder = state_rewarder(cfg, dist)
     # What a resumed run must restore besides the engines (the state reward's recent descriptions).
     tracked = {"state_reward": rewarder.tracker} if rewarder is not None else {}
-    # and the count of level groups admitted and ended (rollout.max_staleness), which numbers the next ones
-    admission = Admission(cfg.rollout.env_groups // dist.world_size, cfg.rollout.max_staleness)
+    # and the count of level groups admitted and ended (rollout.max_staleness; each task's with rollout.tasks)
+    admission = run_admission(cfg, dist.world_size)
     tracked["admission"] = EveryRank(admission, dist)
     start = run.maybe_resume(cfg, models.actor, models.critic, monitor, tracked)
     decoder = make_decoder(cfg, models.actor.module, models.encoder)
@@ -118,7 +118,7 @@ def rollout_source(cfg, dist, encoder, owner: str, start: int, admission):
     from vagen.tasks import TaskRollouts
 
     if cfg.rollout.tasks:  # several tasks: a rollout source and environments per task (vagen.tasks)
-        source = TaskRollouts(encoder, cfg, dist.rank, dist.world_size, start, owner)
+        source = TaskRollouts(encoder, cfg, dist.rank, dist.world_size, start, owner, admission)
         return source, source.all_envs()
     # rollout.max_staleness = k: up to k + 1 shares of groups in flight, the carried ones and the new ones
     envs = make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size

@@ -191,13 +191,32 @@ def length_grouped_batches(lengths: list[int], batch_size: int, window: int,
     return [groups[i] for i in torch.randperm(window, generator=generator).tolist()]
 
 
+def task_batches(lengths: list[int], tasks: list[int], shares: list[float], batch_size: int, window: int,
+                 generator: torch.Generator) -> list[list[int]]:
+    """`window` batches, each of one task's samples (`tasks[i]` is sample i's task): each batch's task is
+    drawn with probability its share (`shares`, one per task, any positive scale), then its samples as
+    `length_grouped_batches` draws them from that task's alone. A task's share of the steps is its share,
+    whatever its number of samples, and a batch's rows share their task's system prompt."""
+    members = [[i for i, task in enumerate(tasks) if task == k] for k in range(len(shares))]
+    assert all(members), f"every task needs samples: {[len(m) for m in members]=}"
+    picks = torch.multinomial(torch.tensor(shares, dtype=torch.float64), window, replacement=True,
+                              generator=generator).tolist()
+    batches = []
+    for k in sorted(set(picks)):
+        drawn = length_grouped_batches([lengths[i] for i in members[k]], batch_size, picks.count(k), generator)
+        batches += [[members[k][i] for i in batch] for batch in drawn]
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+
 def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=print, seed: int = 0,
               max_steps: int | None = None, min_steps: int | None = None, time_budget_s: float | None = None,
-              on_check=None, target_accuracy: float = 1.0, desc: str | None = None) -> dict[str, float]:
+              on_check=None, target_accuracy: float = 1.0, desc: str | None = None,
+              tasks: list[int] | None = None, shares: list[float] | None = None) -> dict[str, float]:
     """Optimizer steps of the token-mean NLL of generated tokens on random batches of `train_samples`
     until, from `min_steps` on, held-out answer accuracy stops improving or reaches `target_accuracy`
     (or `max_steps` / `time_budget_s` run out). Returns stats; `on_check(step, metrics)` is called at every
-    check. With `desc`, a progress bar of that name counts the steps toward `max_steps` (with its ETA)."""
+    check. With `desc`, a progress bar of that name counts the steps toward `max_steps` (with its ETA).
+    With `tasks` (each sample's task index) and `shares` (one per task), batches are drawn by `task_batches`."""
     from vagen.console import progress_bar
     from vagen.trajectory import collate
     from vagen.update import chunks
@@ -218,7 +237,8 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
     engine.module.train()
     while step < max_steps:
         if not queue:
-            queue = length_grouped_batches(lengths, sft.batch_size, sft.length_window, generator)
+            queue = (length_grouped_batches(lengths, sft.batch_size, sft.length_window, generator) if tasks is None
+                     else task_batches(lengths, tasks, shares, sft.batch_size, sft.length_window, generator))
         for group in chunks(queue.pop(), sft.micro_batch_size):
             loss = nll_loss(engine, collate([train_samples[i] for i in group], pad_id), device)
             engine.backward(loss)
@@ -569,24 +589,30 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
                                       dist.device, cfg.sft.micro_batch_size, log, cfg.sft.reasoning == "path"))
     stats.update({"sft/data_seconds": data_s, "sft/build_seconds": time.perf_counter() - t0,
                   "sft/demo_success": sum(d.success for d in train_demos) / len(train_demos)})
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    engine.module.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
     settings = {s: cfg.to_dict()[s] for s in ("model", "env", "rollout", "sft")}
-    (tmp / STATE_FILE).write_text(json.dumps({
+    save_warm_start(engine.module, processor, out, {
         "config": cfg.name, "command": command, "code_revision": revision, "demonstration_code": demo_code,
         "base": str(base_path),
         "policy": policy, "stages": "cells" if cells_only else "on_policy" if on_policy_only else "all",
-        "settings": settings, **stats}, indent=1))
-    if out.exists():  # an earlier build at the same place is replaced whole
+        "settings": settings, **stats}, log)
+    return stats
+
+
+def save_warm_start(model, processor, out: Path, state: dict, log=print) -> None:
+    """`model` and `processor` saved (HF format) to `out` with `state` as its `STATE_FILE`, written beside it first
+    and moved into place, so a reader never finds half a checkpoint; an earlier one at `out` is replaced whole."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+    if out.exists():
         import shutil
 
         shutil.rmtree(out)
     os.replace(tmp, out)
-    log(f"warm start saved to {out} ({stats['sft/build_seconds']:.0f}s)")
-    return stats
+    log(f"warm start saved to {out} ({state['sft/build_seconds']:.0f}s)")
 
 
 # -- the card of a warm start -------------------------------------------------------------------------
@@ -598,24 +624,35 @@ def write_card(cfg, checkpoint: Path, rows: dict, n: int, revision: str | None =
     """`checkpoint/card.json`: how the warm start was built (from its `STATE_FILE`) and its held-out
     success on `n` evaluation levels next to the scripted baselines (`report`'s rows), each with a 95%
     Wilson interval; `revision` is the code that evaluated it (default: this checkout's)."""
-    from vagen.eval import wilson_interval
-
     checkpoint = Path(checkpoint)
+    card = card_head(cfg, checkpoint, n, revision)
+    card["evaluation"]["rows"] = card_rows(rows)
+    (checkpoint / CARD_FILE).write_text(json.dumps(card, indent=1) + "\n")
+    return card
+
+
+def card_head(cfg, checkpoint: Path, n: int, revision: str | None = None) -> dict:
+    """A card without its rows: the build (from `checkpoint`'s `STATE_FILE`) and what evaluated it."""
     state = json.loads((checkpoint / STATE_FILE).read_text()) if (checkpoint / STATE_FILE).exists() else {}
     build = {k: state.get(k) for k in ("config", "command", "code_revision", "demonstration_code", "base", "policy",
                                       "stages", "settings")}
+    return {"name": checkpoint.name, "config": cfg.name, "build": build,
+            "build_metrics": {k: v for k, v in state.items() if k.startswith("sft/")},
+            "evaluation": {"levels": n, "seeds": f"vagen.warmstart.demos.distinct_eval_seeds(env, {n})",
+                           "code_revision": revision or code_revision()}}
+
+
+def card_rows(rows: dict) -> dict:
+    """`report`'s rows as a card keeps them, each with its 95% Wilson interval."""
+    from vagen.eval import wilson_interval
+
     evaluation = {}
     for name, row in rows.items():
         low, high = wilson_interval(row["successes"], row["n"])
         evaluation[name] = {"success": row["success"], "interval_95": [round(low, 4), round(high, 4)],
                             "successes": row["successes"], "n": row["n"], "return": row["return"],
                             **({"format_ok": row["format_ok"]} if "format_ok" in row else {})}
-    card = {"name": checkpoint.name, "config": cfg.name, "build": build,
-            "build_metrics": {k: v for k, v in state.items() if k.startswith("sft/")},
-            "evaluation": {"levels": n, "seeds": f"vagen.warmstart.demos.distinct_eval_seeds(env, {n})",
-                           "code_revision": revision or code_revision(), "rows": evaluation}}
-    (checkpoint / CARD_FILE).write_text(json.dumps(card, indent=1) + "\n")
-    return card
+    return evaluation
 
 
 # -- command line -------------------------------------------------------------------------------------
@@ -649,11 +686,19 @@ def main(argv=None) -> int:
     from vagen.config import load_config_or_exit
 
     cfg = load_config_or_exit(args.config, args.overrides)
-    if cfg.rollout.tasks:
-        # its demonstrations, questions and evaluation are one environment's: a mixed build is not written yet
-        parser.error(f"config {cfg.name} lists rollout.tasks ({', '.join(t.name for t in cfg.rollout.tasks)}); a "
-                     f"warm start is built for one environment: build each task's with its own config (python -m "
-                     f"vagen.sft --config {cfg.rollout.tasks[0].config}) and start the run from one of them")
+    tasks = None
+    if cfg.rollout.tasks:  # one model on every task's demonstrations (vagen.warmstart.mix)
+        from vagen.warmstart.mix import mixed_tasks
+
+        if args.cells_only or args.on_policy_only:
+            parser.error(f"config {cfg.name} lists rollout.tasks: its warm start is one schedule on every task's "
+                         f"demonstrations, without a cell-question or on-policy stage; drop "
+                         f"{'--cells-only' if args.cells_only else '--on-policy-only'}, or continue one task's warm "
+                         f"start with its own config (python -m vagen.sft --config {cfg.rollout.tasks[0].config})")
+        try:
+            tasks = mixed_tasks(cfg, args.overrides)
+        except ValueError as err:
+            parser.error(str(err))
     if not args.evaluate and zero_stage(cfg) == 3:
         # Its stages hand one model from engine to engine and save it with save_pretrained: under ZeRO-3
         # the module holds only this rank's shards, and the saved weights were empty.
@@ -667,7 +712,7 @@ def main(argv=None) -> int:
     if args.evaluate:
         checkpoint = Path(args.evaluate)
         n = args.eval or 256
-        write_card(cfg, checkpoint, report(cfg, checkpoint, n), n)
+        write_any_card(cfg, tasks, checkpoint, n)
         print(f"card written to {checkpoint / CARD_FILE}", flush=True)
         return 0
     from vagen.distributed import init_distributed
@@ -677,15 +722,31 @@ def main(argv=None) -> int:
     base = Path(args.base) if args.base else base_checkpoint(cfg.model, base_path_of(cfg))
     out = Path(args.out) if args.out else default_out(cfg, args.policy)
     command = " ".join(["python -m vagen.sft", *(argv if argv is not None else sys.argv[1:])])
-    print(f"warm start of {base} on {args.policy} demonstrations ({cfg.env.name}, config {cfg.name}) -> {out}",
-          flush=True)
-    build_warm_start(cfg, base, out, args.policy, dist, cells_only=args.cells_only, command=command,
-                     on_policy_only=args.on_policy_only)
+    what = ", ".join(name for name, _, _ in tasks) if tasks else cfg.env.name
+    print(f"warm start of {base} on {args.policy} demonstrations ({what}, config {cfg.name}) -> {out}", flush=True)
+    if tasks:
+        from vagen.warmstart.mix import build_mixed_warm_start
+
+        build_mixed_warm_start(cfg, tasks, base, out, args.policy, dist, command=command)
+    else:
+        build_warm_start(cfg, base, out, args.policy, dist, cells_only=args.cells_only, command=command,
+                         on_policy_only=args.on_policy_only)
     if args.eval:
-        write_card(cfg, out, report(cfg, out, args.eval), args.eval)
+        write_any_card(cfg, tasks, out, args.eval)
         print(f"card written to {out / CARD_FILE}", flush=True)
     print(f"train from it: deepspeed vagen/train.py --config {args.config} model.path={out}", flush=True)
     return 0
+
+
+def write_any_card(cfg, tasks, checkpoint: Path, n: int) -> None:
+    """`write_card` with `report`'s rows, or for a warm start of several tasks (`tasks` from
+    `vagen.warmstart.mix.mixed_tasks`) `vagen.warmstart.mix.write_mixed_card`."""
+    if tasks:
+        from vagen.warmstart.mix import write_mixed_card
+
+        write_mixed_card(cfg, tasks, checkpoint, n)
+    else:
+        write_card(cfg, checkpoint, report(cfg, checkpoint, n), n)
 
 
 def zero_stage(cfg) -> int:
