@@ -122,23 +122,6 @@ def test_agent_loop_logprobs_are_the_trainers(vl_engine):
     assert max(gaps) < TOLERANCE, max(gaps)
 
 
-def _without_timing(records):
-    return [{k: v for k, v in r.items() if not k.startswith("timing/") and k != "time"} for r in records]
-
-
-def test_k0_trains_as_the_run_without_the_staleness_key(model_cache, tmp_path):
-    """rollout.max_staleness=0 is the synchronous run: the same metrics, timing aside (sokoban_visual from a
-    standard tiny Qwen2.5-VL)."""
-    from test_vllm import FAST_TRAINING, _train
-
-    path = standard_copy(resolve_model_path("builtin:tiny-vl", model_cache, seed=0), tmp_path / "tiny-vl")
-    run = ("sokoban_visual", f"model.path={path}", *FAST_TRAINING)
-    without = _train(tmp_path / "without", 1, *run)
-    with_key = _train(tmp_path / "k0", 1, *run, "rollout.max_staleness=0")
-    assert _without_timing(with_key) == _without_timing(without)
-    assert all(r["rollout/carried_episodes"] == 0 and r["rollout/staleness_max"] == 0 for r in without)
-
-
 def test_episodes_carried_over_updates_are_at_most_k_updates_old(tmp_path):
     """rollout.max_staleness=1 on sokoban_visual from a standard tiny Qwen2.5-VL: the shipped warm start with its
     image hooks off (in the config the trainer reads too, so both run one policy), whose episodes end after 1 to
