@@ -127,6 +127,22 @@ def test_a_mixed_build_saves_what_built_it(tmp_path, model_cache, capsys):
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
 
 
+
+@pytest.mark.parametrize("base, perception", [(None, True), ("runs/a_warm_start", False)])
+def test_a_tasks_perception_stage_runs_only_on_a_builtin_base(tmp_path, model_cache, monkeypatch, base, perception):
+    """--base names a warm start, which had its perception stage: the mixed build must not run it again,
+    whatever sft.base says."""
+    from vagen import distributed
+    from vagen.warmstart import mix
+
+    seen = {}
+    monkeypatch.setattr(distributed, "init_distributed", lambda **_: None)
+    monkeypatch.setattr(mix, "build_mixed_warm_start", lambda *a, **k: seen.update(k))
+    extra = ["--base", base] if base else []
+    assert cli.main(["--config", _text_mix(tmp_path), "--out", str(tmp_path / "ws"), *extra, *SMALL,
+                     f"model.builtin_cache={model_cache}"]) == 0
+    assert seen["from_builtin"] is perception
+
 @pytest.mark.slow
 def test_a_mixed_build_writes_a_card_per_task_beside_the_single_task_warm_starts(tmp_path, model_cache):
     out = _build(tmp_path, model_cache, "--eval", "4")

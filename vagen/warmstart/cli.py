@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     what = ", ".join(name for name, _, _ in tasks) if tasks else cfg.env.name
     print(f"warm start of {base} on {args.policy} demonstrations ({what}, config {cfg.name}) -> {out}", flush=True)
     if tasks:
-        mix.build_mixed_warm_start(cfg, tasks, base, out, args.policy, dist, command=command)
+        mix.build_mixed_warm_start(cfg, tasks, base, out, args.policy, dist, command=command,
+                                   from_builtin=not args.base and sft.base_path_of(cfg).startswith("builtin:"))
     else:
         sft.build_warm_start(cfg, base, out, args.policy, dist, cells_only=args.cells_only, command=command,
                              on_policy_only=args.on_policy_only)

@@ -70,17 +70,17 @@ def task_demo_samples(tasks, encoder, model, policy: str, log=print) -> list[tup
 
 
 def build_mixed_warm_start(cfg, tasks, base_path: Path, out: Path, policy: str, dist, log=print,
-                           command: str | None = None) -> dict[str, float]:
+                           command: str | None = None, from_builtin: bool = False) -> dict[str, float]:
     """SFT `base_path` on the union of `tasks`' demonstrations (`mixed_tasks`) in one schedule (`cfg.sft`) and save
     it to `out` with `STATE_FILE`, as `vagen.warmstart.sft.build_warm_start` does; per-task metrics are under
-    sft/<task>/."""
+    sft/<task>/. Each task's perception stage runs only on a built-in (random) base (`from_builtin`): a warm
+    start as the base had its own."""
     import torch
 
     from vagen.episode import ChatEncoder
     from vagen.models import load_policy
     from vagen.warmstart.sft import (
         answer_accuracy,
-        base_path_of,
         code_revision,
         demonstration_code,
         frame_dependence,
@@ -100,9 +100,8 @@ def build_mixed_warm_start(cfg, tasks, base_path: Path, out: Path, policy: str, 
     data = task_demo_samples(tasks, encoder, model, policy, log)
     data_s = time.perf_counter() - t0
     stats: dict[str, float] = {}
-    from_builtin = base_path_of(cfg).startswith("builtin:")
     for name, sub, _ in tasks:
-        if sub.sft.perception_steps and from_builtin:  # a warm start as the base had its own
+        if sub.sft.perception_steps and from_builtin:
             part = perception_stage(model, encoder, sub, dist, lambda line, name=name: log(f"{name}: {line}"))
             stats.update({f"sft/{name}/{key.removeprefix('sft/')}": value for key, value in part.items()})
     train = [sample for samples, _, _ in data for sample in samples]
@@ -115,7 +114,7 @@ def build_mixed_warm_start(cfg, tasks, base_path: Path, out: Path, policy: str, 
                            shares=[share for _, _, share in tasks], desc="sft: demonstrations of every task"))
     for (name, sub, _), (_, held_out, success) in zip(tasks, data):
         part = answer_accuracy(engine.module, held_out, encoder.pad_id, dist.device, cfg.sft.micro_batch_size)
-        if held_out[0].pixel_values is not None:
+        if held_out and held_out[0].pixel_values is not None:
             part.update(frame_dependence(engine.module, held_out, part["sft/val_answer_accuracy"], encoder.pad_id,
                                          dist.device, cfg.sft.micro_batch_size,
                                          lambda line, name=name: log(f"{name}: {line}"), sub.sft.reasoning == "path"))
