@@ -114,10 +114,10 @@ class Rollouts:
                  admission: Admission | None = None):
         self.cfg, self.rank, self.envs = cfg, rank, envs
         # `admission`: restored from a checkpoint (`Admission.state_dict`) when the run resumes
-        self.admission = admission or Admission(cfg.rollout.env_groups // world_size, cfg.rollout.max_staleness)
+        self.admission = admission or Admission.for_config(cfg, world_size)
         self.admission.resume(start)
         pool = InProcessEnvs(envs, cfg.env.step_timeout) if isinstance(envs, list) else envs
-        needed = (cfg.rollout.max_staleness + 1) * self.admission.groups_per_rank * cfg.rollout.group_size
+        needed = self.admission.in_flight_limit * cfg.rollout.group_size
         assert len(pool) == needed, f"{len(pool)=} {needed=}"
         self.game = Game(encoder, cfg, [], cfg.rollout.group_size, pool, None, 0, admission=self.admission)
 

@@ -38,6 +38,11 @@ class Admission:
             raise ValueError(f"Admission(groups_per_rank={self.groups_per_rank}, max_staleness={self.max_staleness}): "
                              f"needs at least one group per rank and a staleness >= 0")
 
+    @classmethod
+    def for_config(cls, cfg, world_size: int = 1) -> Admission:
+        """A rank's admission of `cfg`'s level groups: rollout.env_groups shared by the ranks, rollout.max_staleness."""
+        return cls(cfg.rollout.env_groups // world_size, cfg.rollout.max_staleness)
+
     @property
     def in_flight_limit(self) -> int:
         """The most groups in flight at once: (k + 1) x B."""

@@ -92,6 +92,7 @@ class TaskAdmissions:
     (`Admission.resume`)."""
 
     def __init__(self, cfg, world_size: int = 1):
+        # each task's own groups; rollout.max_staleness is the run's (a task cannot set it)
         self.parts = {name: Admission(sub.rollout.env_groups // world_size, cfg.rollout.max_staleness)
                       for name, sub in task_configs(cfg)}
 
@@ -108,7 +109,7 @@ def run_admission(cfg, world_size: int):
     """The admission of a run's level groups on a rank: one `Admission`, or with rollout.tasks each task's."""
     if cfg.rollout.tasks:
         return TaskAdmissions(cfg, world_size)
-    return Admission(cfg.rollout.env_groups // world_size, cfg.rollout.max_staleness)
+    return Admission.for_config(cfg, world_size)
 
 
 def shared_ray(envs: list, counts: list[int], owner: str | None):

@@ -121,8 +121,7 @@ def rollout_source(cfg, dist, encoder, owner: str, start: int, admission):
         source = TaskRollouts(encoder, cfg, dist.rank, dist.world_size, start, owner, admission)
         return source, source.all_envs()
     # rollout.max_staleness = k: up to k + 1 shares of groups in flight, the carried ones and the new ones
-    envs = make_envs(cfg.env, cfg.rollout.env_groups // dist.world_size * cfg.rollout.group_size
-                     * (cfg.rollout.max_staleness + 1), owner=owner)
+    envs = make_envs(cfg.env, admission.in_flight_limit * cfg.rollout.group_size, owner=owner)
     return Rollouts(encoder, cfg, envs, dist.rank, dist.world_size, start, admission), envs
 
 
