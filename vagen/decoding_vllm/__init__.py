@@ -15,7 +15,6 @@ is in `vagen.vllm_compat`, with the releases it was checked against.
 """
 
 from vagen.decoding_vllm.engine import (
-    ARCHITECTURES,
     DEFAULT_SETTINGS,
     STEP_TOKENS,
     VLLMDecoder,
@@ -47,7 +46,7 @@ from vagen.decoding_vllm.weights import (
 )
 
 __all__ = [
-    "ACTIVATION_MARGIN", "ARCHITECTURES", "AgentLoop", "DEFAULT_SETTINGS", "STEP_TOKENS", "VLLMDecoder",
+    "ACTIVATION_MARGIN", "AgentLoop", "DEFAULT_SETTINGS", "STEP_TOKENS", "VLLMDecoder",
     "VLLM_LORA_RANKS", "WeightSync", "adapter_tensors", "architecture_override", "check_wake_memory",
     "cpu_binding", "eager", "engine_sizes", "engine_weights", "free_gpu_bytes", "image_hooks", "lora_layers",
     "lora_rank_slot", "placement", "refuse_image_hooks", "settings_from", "total_gpu_bytes", "trained_whole",

@@ -27,7 +27,7 @@ from vagen import vllm_compat as compat
 from vagen.decoding_vllm.play import AgentLoop
 from vagen.decoding_vllm.weights import WeightSync, lora_rank_slot
 from vagen.episode import ChatEncoder
-from vagen.models import CENTER_IMAGE_TOKENS, FAMILIES, IMAGE_POSITION_CODE, family_of
+from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, family_of
 from vagen.vllm_compat import SUPPRESS_TOKENS
 
 # Engine settings, read from the `vllm` config section where it exists (see `settings_from`).
@@ -58,11 +58,6 @@ def refuse_image_hooks(checkpoint: Path) -> None:
             f"{hooks}, which stock vLLM does not run, so vLLM would sample a different policy from the one "
             f"being trained. Use a standard Qwen2.5-VL / Qwen2-VL checkpoint (model.path=/path/to/checkpoint), "
             f"or rollout.backend=hf, which runs the hooks.")
-
-
-# Checkpoints saved by `config.save_pretrained` alone (the built-ins) name no architecture; vLLM needs one,
-# which the checkpoint's model family knows.
-ARCHITECTURES = {model_type: family.architecture(model_type) for family in FAMILIES for model_type in family.model_types}
 
 
 def architecture_override(checkpoint: Path) -> dict:

@@ -71,11 +71,14 @@ class AgentLoop:
         ids = [t for k, t in enumerate(episode.input_ids) if t != pad or k == 0 or episode.input_ids[k - 1] != pad]
         return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(episode.images)}}
 
-    def generate(self, episodes: list[Episode], rows: list[int], sampling: Sampling) -> list[Generated]:
-        assert len(episodes) == len(rows), f"{len(episodes)=} {len(rows)=}"
+    def _refuse_asleep(self) -> None:
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep: it dropped its weights and KV cache for the update; "
                                "call sync_weights(model), which wakes it with the updated weights, before generating")
+
+    def generate(self, episodes: list[Episode], rows: list[int], sampling: Sampling) -> list[Generated]:
+        assert len(episodes) == len(rows), f"{len(episodes)=} {len(rows)=}"
+        self._refuse_asleep()
         if not episodes:
             return []
         outputs = self.llm.generate([self.prompt(ep) for ep in episodes],
@@ -119,9 +122,7 @@ class AgentLoop:
         requests they ran."""
         from vllm.sampling_params import RequestOutputKind
 
-        if self.asleep:
-            raise RuntimeError("the vLLM engine is asleep: it dropped its weights and KV cache for the update; "
-                               "call sync_weights(model), which wakes it with the updated weights, before generating")
+        self._refuse_asleep()
         engine, clock, timing = self.llm.llm_engine, time.perf_counter, game.timing
         running: dict[str, int] = {}  # request id -> episode row
         self.engine_steps = self.engine_sequences = 0
