@@ -83,11 +83,10 @@ class RayEnvWorkers(EnvWorkers):
         self.started_ray = False
         self.actors_started = 0
         self.workers, self.example_env = [], None
-        actors = min(workers, max(count, 1))
+        actors, room_cpus, room_resources = pool_room(workers, count, self.cpus, self.resources)
         if not ray.is_initialized():
             # a private instance has room for exactly this pool's actors
-            connect(address, actors * self.cpus, {name: amount * actors for name, amount in self.resources.items()},
-                    self.namespace)
+            connect(address, room_cpus, room_resources, self.namespace)
             self.started_ray = True
         self.address = ray.get_runtime_context().gcs_address
         try:
@@ -204,6 +203,13 @@ def connect(address: str, cpus: float, resources: dict[str, float], namespace: s
         ray.init(address=address, namespace=namespace, logging_level="warning")
 
 
+def pool_room(workers: int, count: int, cpus: float, resources: dict) -> tuple[int, float, dict[str, float]]:
+    """The actors a pool of `count` environments starts on env.workers=`workers`, and the CPUs and custom
+    resources they ask for in all (env.ray_cpus and env.ray_resources are per actor)."""
+    actors = min(workers, max(count, 1))
+    return actors, actors * float(cpus), {name: amount * actors for name, amount in resources.items()}
+
+
 class SharedRay:
     """One Ray connection for several pools of one process (the tasks of rollout.tasks, each a `RayEnvWorkers`):
     made before them, with a private instance's room for all their actors (env.ray_address=local), so that each
@@ -211,7 +217,6 @@ class SharedRay:
 
     def __init__(self, address: str, cpus: float, resources: dict[str, float], namespace: str):
         connect(address, cpus, resources, namespace)
-        self.address = address
 
     @classmethod
     def for_pools(cls, pools: list[tuple], owner: str | None) -> SharedRay | None:
@@ -223,10 +228,10 @@ class SharedRay:
             return None
         cpus, resources = 0.0, {}
         for cfg_env, count in pools:
-            actors = min(cfg_env.workers, max(count, 1))
-            cpus += actors * cfg_env.ray_cpus
-            for name, amount in cfg_env.ray_resources.items():
-                resources[name] = resources.get(name, 0.0) + amount * actors
+            _, pool_cpus, pool_resources = pool_room(cfg_env.workers, count, cfg_env.ray_cpus, cfg_env.ray_resources)
+            cpus += pool_cpus
+            for name, amount in pool_resources.items():
+                resources[name] = resources.get(name, 0.0) + amount
         namespace = f"vagen-{owner}-{uuid.uuid4().hex[:6]}" if owner else f"vagen-{uuid.uuid4().hex[:8]}"
         return cls(pools[0][0].ray_address, cpus, resources, namespace)
 
