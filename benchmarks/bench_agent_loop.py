@@ -57,23 +57,30 @@ def standard_warm_start(config: str, out: Path) -> Path:
     return out
 
 
-def count_forward_passes(decoder) -> dict:
-    """Wrap the engine's scheduler so that every step that runs requests is counted with its requests."""
+def count_scheduled(engine, counts: dict, steps: str = "steps") -> dict:
+    """Wrap `engine`'s scheduler (the engine core's, in this process) so that every step that runs requests adds
+    one to `counts[steps]`, its requests to `counts["sequences"]` and the tokens it computes (prefix-cache hits
+    left out) to `counts["tokens"]`."""
     from vagen import vllm_compat
 
-    scheduler = vllm_compat.scheduler(decoder.llm.llm_engine)  # the engine core's, in this process
-    counts = {"steps": 0, "sequences": 0}
+    scheduler = vllm_compat.scheduler(engine)
     schedule = scheduler.schedule
 
     def counted(*args, **kwargs):
         output = schedule(*args, **kwargs)
         if output.num_scheduled_tokens:
-            counts["steps"] += 1
+            counts[steps] += 1
             counts["sequences"] += len(output.num_scheduled_tokens)
+            counts["tokens"] += sum(output.num_scheduled_tokens.values())
         return output
 
     scheduler.schedule = counted
     return counts
+
+
+def count_forward_passes(decoder) -> dict:
+    """Wrap the engine's scheduler so that every step that runs requests is counted with its requests."""
+    return count_scheduled(decoder.llm.llm_engine, {"steps": 0, "sequences": 0, "tokens": 0})
 
 
 def count_answers_in_time(counts: dict) -> None:

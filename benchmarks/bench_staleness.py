@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -81,17 +80,9 @@ def instrument(iterations: list[dict]) -> None:
         if id(scheduler) in counted_schedulers:
             return
         counted_schedulers.add(id(scheduler))
-        schedule = scheduler.schedule
+        from benchmarks.bench_agent_loop import count_scheduled
 
-        def counted(*args, **kwargs):
-            output = schedule(*args, **kwargs)
-            if output.num_scheduled_tokens:
-                counts["passes"] += 1
-                counts["sequences"] += len(output.num_scheduled_tokens)
-                counts["tokens"] += sum(output.num_scheduled_tokens.values())  # computed: prefix-cache hits left out
-            return output
-
-        scheduler.schedule = counted
+        count_scheduled(engine, counts, steps="passes")
 
     def timed_step(engine, *args, **kwargs):
         count_passes(engine)
@@ -172,17 +163,14 @@ def summarise(iterations: list[dict]) -> dict:
     }
 
 
-# two-sided 95% Student t quantiles by degrees of freedom
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
 def mean_interval(values: list[float]) -> tuple[float, float | None]:
     """The mean of `values` and the half-width of its 95% t interval (None for a single value)."""
-    mean = sum(values) / len(values)
+    from benchmarks.staleness_learning import t_interval
+
     if len(values) < 2:
-        return mean, None
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-    return mean, T95.get(len(values) - 1, 1.96) * sd / math.sqrt(len(values))
+        return sum(values) / len(values), None
+    mean, _, high = t_interval(values)
+    return mean, high - mean
 
 
 def compare(runs: dict) -> list[dict]:
