@@ -650,6 +650,12 @@ def _check_tasks(cfg: Config) -> None:
     if cfg.rollout.env_groups != sum(task.groups for task in tasks):
         raise ConfigError(f"rollout.env_groups={cfg.rollout.env_groups} but the groups of rollout.tasks sum to "
                           f"{sum(task.groups for task in tasks)}; with rollout.tasks set only the tasks' groups")
+    shares = cfg.sft.task_shares
+    if shares and (len(shares) != len(names)
+                   or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in shares)):
+        raise ConfigError(f"sft.task_shares={shares} must give a positive share to each of the {len(names)} tasks "
+                          f"({', '.join(names)}), in that order, e.g. sft.task_shares=[{', '.join(['1'] * len(names))}]"
+                          f"; or leave it empty for their level groups' shares")
     if cfg.algo.state_reward != "none":  # every task's prompt format must have the graded fields
         for name, sub in task_configs(cfg):
             try:

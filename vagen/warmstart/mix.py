@@ -33,12 +33,7 @@ def mixed_tasks(cfg, overrides: list[str] = ()) -> list[tuple[str, object, float
     the `sft` section of the task's own environment config, after the command line's `sft.*` overrides; the
     share is the task's level groups over all tasks'."""
     own = [text for text in overrides if parse_override(text)[0].startswith("sft.")]
-    names = [task.name for task in cfg.rollout.tasks]
-    weights = cfg.sft.task_shares or [task.groups for task in cfg.rollout.tasks]
-    if len(weights) != len(names) or not all(isinstance(w, (int, float)) and w > 0 for w in weights):
-        raise ValueError(f"sft.task_shares={cfg.sft.task_shares} must give a positive share to each of the "
-                         f"{len(names)} tasks ({', '.join(names)}), in that order, e.g. sft.task_shares="
-                         f"[{', '.join(['1'] * len(names))}]; or leave it empty for their level groups' shares")
+    weights = cfg.sft.task_shares or [task.groups for task in cfg.rollout.tasks]  # checked by vagen.config
     out = []
     for task, (name, sub), weight in zip(cfg.rollout.tasks, task_configs(cfg), weights):
         sub.sft = load_config(task.config, own).sft  # sub is task_configs' own copy
