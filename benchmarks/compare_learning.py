@@ -78,8 +78,30 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def main(argv=None) -> int:
+def cell(successes: int, n: int) -> str:
+    """A success rate with its 95% Wilson interval, as a table cell."""
     from vagen.eval import wilson_interval
+
+    low, high = wilson_interval(successes, n)
+    return f"{successes / n:.3f} ({low:.3f}–{high:.3f})"
+
+
+def last_within(curve: list[dict], minutes: float) -> dict | None:
+    """The last evaluation of `curve` within `minutes` CPU-minutes, or None."""
+    return ([p for p in curve if p["cpu_minutes"] <= minutes] or [None])[-1]
+
+
+def curve_cells(curve: list[dict], minutes: float) -> str:
+    """Table cells of one run: its last evaluation (iteration, CPU-minutes), greedy and sampled success there with
+    95% intervals, and its last evaluation within `minutes` CPU-minutes (iteration, CPU-minutes, greedy)."""
+    last, within = curve[-1], last_within(curve, minutes)
+    budget = (f"{within['iteration']}, {within['cpu_minutes']:.1f}, {within['greedy']['success']:.3f}"
+              if within else "–")
+    return (f"{last['iteration']}, {last['cpu_minutes']:.1f} | {cell(last['greedy']['successes'], last['greedy']['n'])}"
+            f" | {cell(last['sampled']['successes'], last['sampled']['n'])} | {budget}")
+
+
+def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("arms", nargs="+", type=arm, help="LABEL=FOLDER, a --out folder of benchmarks/learning.py")
@@ -88,10 +110,6 @@ def main(argv=None) -> int:
     parser.add_argument("--minutes", type=float, default=6.0, help="the CPU budget compared at")
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
-
-    def cell(successes: int, n: int) -> str:
-        low, high = wilson_interval(successes, n)
-        return f"{successes / n:.3f} ({low:.3f}–{high:.3f})"
 
     print(f"| arm | seed | last evaluation: iteration, CPU-min | greedy (95% CI) | sampled (95% CI) "
           f"| last within {args.minutes:g} CPU-min: iteration, CPU-min, greedy |")
@@ -108,12 +126,7 @@ def main(argv=None) -> int:
         finals, pooled = [], {"greedy": [0, 0], "sampled": [0, 0]}
         for seed, curve in sorted(runs_of[-1][1].items()):
             last = curve[-1]
-            within = [p for p in curve if p["cpu_minutes"] <= args.minutes]
-            budget = (f"{within[-1]['iteration']}, {within[-1]['cpu_minutes']:.1f}, "
-                      f"{within[-1]['greedy']['success']:.3f}") if within else "–"
-            print(f"| {label} | {seed} | {last['iteration']}, {last['cpu_minutes']:.1f} | "
-                  f"{cell(last['greedy']['successes'], last['greedy']['n'])} | "
-                  f"{cell(last['sampled']['successes'], last['sampled']['n'])} | {budget} |")
+            print(f"| {label} | {seed} | {curve_cells(curve, args.minutes)} |")
             finals.append(last["greedy"]["success"])
             for kind in pooled:
                 pooled[kind][0] += last[kind]["successes"]

@@ -94,6 +94,8 @@ def mean(values: list[float]) -> float:
 
 
 def main(argv=None) -> int:
+    from compare_learning import curve_cells, last_within
+
     from vagen.eval import wilson_interval
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,10 +110,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     env_config = args.env_config or args.env
 
-    def cell(successes: int, n: int) -> str:
-        low, high = wilson_interval(successes, n)
-        return f"{successes / n:.3f} ({low:.3f}–{high:.3f})"
-
     arms = [(label, *arm_runs(folder, args.env, args.method, env_config))
             for label, folder in zip(args.labels, (args.synchronous, args.carried))]
     seeds = sorted(set(arms[0][2]) & set(arms[1][2]))
@@ -124,14 +122,7 @@ def main(argv=None) -> int:
     for label, warm, runs in arms:
         start = f"{warm['greedy']['success']:.3f} / {warm['sampled']['success']:.3f}"
         for seed in seeds:
-            curve = runs[seed]["curve"]
-            last = curve[-1]
-            within = [p for p in curve if p["cpu_minutes"] <= args.minutes]
-            budget = (f"{within[-1]['iteration']}, {within[-1]['cpu_minutes']:.1f}, "
-                      f"{within[-1]['greedy']['success']:.3f}") if within else "–"
-            print(f"| {label} | {seed} | {start} | {last['iteration']}, {last['cpu_minutes']:.1f} "
-                  f"| {cell(last['greedy']['successes'], last['greedy']['n'])} "
-                  f"| {cell(last['sampled']['successes'], last['sampled']['n'])} | {budget} |")
+            print(f"| {label} | {seed} | {start} | {curve_cells(runs[seed]['curve'], args.minutes)} |")
 
     print(f"\n| greedy success, {args.labels[1]} − {args.labels[0]} | per seed | mean over seeds (95% t interval) "
           f"| seeds' episodes pooled (95% Newcombe) |")
@@ -142,7 +133,7 @@ def main(argv=None) -> int:
     picks = [(f"evaluation {n + 1}", lambda curve, n=n: curve[n]) for n in range(shared)]
     for name, pick in picks + [("last evaluation", lambda curve: curve[-1]),
                                (f"last within {args.minutes:g} CPU-min",
-                                lambda curve: ([p for p in curve if p["cpu_minutes"] <= args.minutes] or [None])[-1])]:
+                                lambda curve: last_within(curve, args.minutes))]:
         points = [[pick(arm[2][seed]["curve"]) for seed in seeds] for arm in arms]
         if any(p is None for side in points for p in side):
             print(f"| {name} | – (a run has no evaluation within the budget) | | |")
