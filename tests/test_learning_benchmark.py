@@ -196,3 +196,41 @@ def test_staleness_learning_pairs_seeds_and_counts_each_trained_iteration_once(t
     assert "| k=1 | 1 | 256 | 2.00 | 2.13 | 64.00 | 60.00 |" in out
     assert "episodes per CPU-s, k=1 / k=0 by seed: 1.00 / 0.50; mean 0.75" in out
     assert "| k=1 | 0 | 2 | 0.100 | 1 | 1.00 (2) |" in out
+
+
+def test_multitask_arms_differ_only_in_their_tasks_and_keep_the_episodes_per_iteration():
+    from vagen.config import load_config
+
+    multitask = load("multitask_learning")
+    cfg = load_config("multitask_visual")  # 2 + 1 + 1 level groups
+    assert multitask.arm_overrides("mixed", cfg) == []
+    assert multitask.arm_overrides("frozenlake_visual", cfg) == [
+        "rollout.tasks=[{config: frozenlake_visual, groups: 4}]", "sft.task_shares=[1]"]
+    single = load_config("multitask_visual", multitask.arm_overrides("navigation_visual", cfg))
+    assert [(t.name, t.groups, t.rollout["max_turns"]) for t in single.rollout.tasks] == [("navigation_visual", 4, 5)]
+    with pytest.raises(SystemExit, match="arm 'frozenlake': expected mixed or one of the tasks of multitask_visual: "
+                                         "sokoban_visual, frozenlake_visual, navigation_visual"):
+        multitask.arm_overrides("frozenlake", cfg)
+
+
+def test_multitask_tables_pair_seeds_per_task(capsys):
+    multitask = load("multitask_learning")
+
+    def row(successes, n=8):
+        return {"success": successes / n, "successes": successes, "n": n}
+
+    def run(sokoban, frozenlake):
+        return {"cpu_minutes": 2.0, "iterations": 10, "trained_episodes": {"sokoban_visual": 80},
+                "eval": {"sokoban_visual": row(sokoban), "frozenlake_visual": row(frozenlake)}}
+
+    results = {"warm_start": {"sokoban_visual": row(4), "frozenlake_visual": row(1)},
+               "arms": {"mixed": {"0": run(5, 3), "1": run(4, 2)},
+                        "sokoban_visual": {"0": run(6, 0), "1": run(6, 1)},
+                        "frozenlake_visual": {"0": run(2, 3)}}}
+    text = multitask.tables(results)
+    assert "| warm start | – | – | 0 | 0 | 0.500 (" in text
+    assert "| mixed | pooled | | | | 0.562 (" in text  # 9 of 16
+    # sokoban: seed 0 5/8 - 6/8, seed 1 4/8 - 6/8; mean -0.1875 with a t interval over 2 seeds
+    assert "| sokoban_visual | -0.125, -0.250 | -0.188 (-0.982 to +0.607) | -0.188 (" in text
+    # frozenlake: only seed 0 ran in both arms
+    assert "| frozenlake_visual | +0.000 | – | +0.000 (" in text

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from vagen.config import available_configs, checkpoints_dir, load_config, shipped_checkpoints
+from vagen.config import available_configs, checkpoints_dir, load_config, shipped_checkpoints, task_configs
 from vagen.episode import ChatEncoder
 from vagen.models import load_policy, resolve_model_path
 from vagen.warmstart.demos import distinct_eval_seeds
@@ -18,6 +18,18 @@ FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config
 
 def _card(name: str) -> dict:
     return json.loads((checkpoints_dir() / name / CARD_FILE).read_text())
+
+
+def _tasks(name: str) -> list[tuple[str, object, dict]]:
+    """(task, the config it plays under, its card rows) of each task a shipped warm start was evaluated on: the
+    tasks of a config that lists rollout.tasks (a card per task), else its one environment."""
+    card = _card(name)
+    cfg = load_config(card["config"])
+    if not cfg.rollout.tasks:
+        return [(cfg.env.name, cfg, card["evaluation"]["rows"])]
+    tasks = card["evaluation"]["tasks"]
+    assert sorted(tasks) == sorted(task for task, _ in task_configs(cfg)), (sorted(tasks), card["config"])
+    return [(task, sub, tasks[task]["rows"]) for task, sub in task_configs(cfg)]
 
 
 def test_the_configs_start_from_shipped_warm_starts():
@@ -37,11 +49,12 @@ def test_a_shipped_warm_start_is_complete_and_says_how_it_was_built(name):
     card = _card(name)
     assert card["build"]["command"].startswith("python -m vagen.sft --config ")
     assert card["build"]["code_revision"] and card["build"]["settings"]["sft"]
-    rows = card["evaluation"]["rows"]
-    assert card["evaluation"]["levels"] == 256 and {"sft greedy", "teacher", "solver", "random"} <= set(rows)
-    for row in rows.values():
-        low, high = row["interval_95"]
-        assert row["n"] == 256 and low <= row["success"] <= high
+    assert card["evaluation"]["levels"] == 256
+    for task, _, rows in _tasks(name):
+        assert {"sft greedy", "teacher", "solver", "random"} <= set(rows), task
+        for row in rows.values():
+            low, high = row["interval_95"]
+            assert row["n"] == 256 and low <= row["success"] <= high, (task, row)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -49,24 +62,23 @@ def test_a_shipped_warm_start_loads_with_the_auto_classes_and_answers_in_the_for
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     folder = resolve_model_path(f"assets:{name}")
-    cfg = load_config(_card(name)["config"])
     vision = "vision_config" in AutoConfig.from_pretrained(folder).to_dict()
     plain = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(folder)
     model, processor = load_policy(folder)
-    assert (cfg.env.render_mode == "vision") == vision
     for (key, value), (other_key, other) in zip(plain.state_dict().items(), model.state_dict().items()):
         assert key == other_key and torch.equal(value, other), key
-    row = held_out_metrics(model, ChatEncoder(processor), cfg, distinct_eval_seeds(cfg.env, 16), do_sample=False)
-    assert row["n"] == 16 and row["format_ok"] >= 0.9, row
+    for task, cfg, _ in _tasks(name):  # each task of a warm start for several answers in its own format
+        assert (cfg.env.render_mode == "vision") == vision
+        row = held_out_metrics(model, ChatEncoder(processor), cfg, distinct_eval_seeds(cfg.env, 16), do_sample=False)
+        assert row["n"] == 16 and row["format_ok"] >= 0.9, (task, row)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SHIPPED)
 def test_a_shipped_warm_start_scores_what_its_card_says(name):
-    card = _card(name)
-    cfg = load_config(card["config"])
     model, processor = load_policy(resolve_model_path(f"assets:{name}"))
-    seeds = distinct_eval_seeds(cfg.env, card["evaluation"]["levels"])
-    row = held_out_metrics(model, ChatEncoder(processor), cfg, seeds, do_sample=False)
-    low, high = card["evaluation"]["rows"]["sft greedy"]["interval_95"]
-    assert low <= row["success"] <= high, (row, card["evaluation"]["rows"]["sft greedy"])
+    for task, cfg, rows in _tasks(name):
+        seeds = distinct_eval_seeds(cfg.env, _card(name)["evaluation"]["levels"])
+        row = held_out_metrics(model, ChatEncoder(processor), cfg, seeds, do_sample=False)
+        low, high = rows["sft greedy"]["interval_95"]
+        assert low <= row["success"] <= high, (task, row, rows["sft greedy"])
