@@ -105,33 +105,6 @@ def test_the_union_holds_each_tasks_demonstrations_in_its_own_prompt_format(tmp_
                for a, b in zip(x, y))
 
 
-def test_the_grid_tasks_get_their_cell_questions_mixed_into_their_demonstrations(tmp_path, tiny_vl):
-    from vagen.warmstart.mix import mix_cell_questions
-
-    _, model, processor = tiny_vl
-    encoder = ChatEncoder(processor)
-    path = tmp_path / "visual_mix.yaml"
-    path.write_text("rollout:\n  tasks:\n    - {config: sokoban_visual, groups: 1}\n"
-                    "    - {config: navigation_visual, groups: 1}\n    - {config: frozenlake_visual, groups: 2}\n"
-                    "train:\n  mini_batch_size: 4\n  micro_batch_size: 4\n")
-    own = ["sft.demos=3", "sft.val_demos=1", "sft.exclude_eval=8", "rollout.max_turns=2"]
-    cfg = load_config(str(path), own)
-    tasks = mixed_tasks(cfg, own)
-    for _, sub, _ in tasks:  # each grid task's own config asks 3,000; navigation's none: fewer for the test
-        sub.sft.cell_questions = 5 if sub.sft.cell_questions else 0
-    data = task_demo_samples(tasks, encoder, model, "teacher", log=lambda _: None)
-    lines = []
-    held_out, stats = mix_cell_questions(tasks, data, encoder, model, log=lines.append)
-    assert [len(train) for train, _, _ in data] == [3 + 5, 3, 3 + 5] and set(held_out) == {"sokoban_visual",
-                                                                                           "frozenlake_visual"}
-    assert set(stats) == {"sft/sokoban_visual/cell_majority", "sft/frozenlake_visual/cell_majority"}
-    assert lines[0].startswith("sokoban_visual: 5 cell questions mixed into its 3 demonstrations;")
-    tokenizer = getattr(processor, "tokenizer", processor)
-    for (name, _, _), (train, _, _) in zip(tasks, data):
-        texts = [tokenizer.decode(sample.input_ids) for sample in train]
-        assert sum("what is on the cell" in text.lower() for text in texts) == (0 if name == "navigation_visual" else 5)
-
-
 def _build(tmp_path, model_cache, *extra):
     out = tmp_path / "ws"
     overrides = SMALL + ["sft.max_steps=3", "sft.check_every=3", f"model.builtin_cache={model_cache}",

@@ -64,24 +64,6 @@ def task_demo_samples(tasks, encoder, model, policy: str, log=print) -> list[tup
     return out
 
 
-def mix_cell_questions(tasks, data, encoder, model, log=print) -> tuple[dict[str, list], dict[str, float]]:
-    """Each task whose own config asks `sft.cell_questions` (FrozenLake, Sokoban) gets them in its training
-    samples (`task_demo_samples`' lists, extended in place), as its own build's last stage mixes them into its
-    demonstrations. Returns each such task's held-out questions and the score of always giving the most common
-    answer (sft/<task>/cell_majority)."""
-    from vagen.warmstart.sft import cell_question_samples
-
-    held_out, stats = {}, {}
-    for (name, sub, _), (samples, _, _) in zip(tasks, data):
-        if sub.sft.cell_questions:
-            questions, held_out[name], majority = cell_question_samples(sub, encoder, model)
-            log(f"{name}: {len(questions)} cell questions mixed into its {len(samples)} demonstrations; always the "
-                f"most common answer scores {majority:.3f} held out")
-            samples += questions
-            stats[f"sft/{name}/cell_majority"] = majority
-    return held_out, stats
-
-
 def build_mixed_warm_start(cfg, tasks, base_path: Path, out: Path, policy: str, dist, log=print,
                            command: str | None = None, from_builtin: bool = False) -> dict[str, float]:
     """SFT `base_path` on the union of `tasks`' demonstrations (`mixed_tasks`) in one schedule (`cfg.sft`) and save
@@ -111,8 +93,8 @@ def build_mixed_warm_start(cfg, tasks, base_path: Path, out: Path, policy: str, 
                                    cfg.model.attn_implementation)
     encoder = ChatEncoder(processor)
     data = task_demo_samples(tasks, encoder, model, policy, log)
-    cells, stats = mix_cell_questions(tasks, data, encoder, model, log)
     data_s = time.perf_counter() - t0
+    stats: dict[str, float] = {}
     for name, sub, _ in tasks:
         if sub.sft.perception_steps and from_builtin:
             part = perception_stage(model, encoder, sub, dist, lambda line, name=name: log(f"{name}: {line}"))
@@ -120,7 +102,7 @@ def build_mixed_warm_start(cfg, tasks, base_path: Path, out: Path, policy: str, 
     train = [sample for samples, _, _ in data for sample in samples]
     val = [sample for _, samples, _ in data for sample in samples]
     task_of = [k for k, (samples, _, _) in enumerate(data) for _ in samples]
-    log(f"mix: {len(train)} samples of {len(tasks)} tasks (demonstrations and cell questions), batches drawn "
+    log(f"mix: {len(train)} demonstrations of {len(tasks)} tasks, batches drawn "
         + ", ".join(f"{name} {share:.2f}" for name, _, share in tasks) + f"; training on {dist.device}")
     engine = sft_engine(model, cfg, dist)
     stats.update(train_sft(engine, train, val, cfg, encoder.pad_id, dist.device, log=log, tasks=task_of,
@@ -132,9 +114,6 @@ def build_mixed_warm_start(cfg, tasks, base_path: Path, out: Path, policy: str, 
                                          dist.device, cfg.sft.micro_batch_size,
                                          lambda line, name=name: log(f"{name}: {line}"), sub.sft.reasoning == "path"))
         part["sft/demo_success"] = success
-        if name in cells:
-            part["sft/cell_accuracy"] = answer_accuracy(engine.module, cells[name], encoder.pad_id, dist.device,
-                                                        cfg.sft.micro_batch_size)["sft/val_answer_accuracy"]
         log(f"{name}: " + " ".join(f"{key}={value:.4g}" for key, value in part.items()))
         stats.update({f"sft/{name}/{key.removeprefix('sft/')}": value for key, value in part.items()})
     stats.update({"sft/data_seconds": data_s, "sft/build_seconds": time.perf_counter() - t0})
