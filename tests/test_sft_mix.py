@@ -34,7 +34,7 @@ def test_each_task_keeps_its_own_demonstration_settings_and_the_run_its_schedule
     assert [(sub.env.name, sub.rollout.max_turns, sub.rollout.max_new_tokens) for _, sub, _ in tasks] == [
         ("sokoban", 3, 64), ("frozenlake", 3, 64), ("navigation", 5, 48)]
     assert [share for _, _, share in tasks] == [0.25, 0.5, 0.25]  # sft.task_shares: [1, 2, 1]
-    assert (cfg.sft.lr_schedule, cfg.sft.max_steps, cfg.sft.min_steps) == ("cosine", 400, 400)
+    assert (cfg.sft.lr_schedule, cfg.sft.max_steps, cfg.sft.min_steps) == ("cosine", 3200, 3200)
 
 
 def test_without_task_shares_each_task_has_its_share_of_the_level_groups(tmp_path):
