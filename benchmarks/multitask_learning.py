@@ -129,6 +129,22 @@ def run_children(jobs: list[tuple[str, int]], args, parts: Path) -> list[str]:
     return failed
 
 
+def training_success(metrics: Path, window: int = 5) -> dict[str, list[float]]:
+    """Each task's success on its training rollouts (sampled), the mean of the first and of the last `window`
+    iterations of a run's metrics.jsonl (a chunk resumed from a checkpoint logs its iterations again: the last
+    row of an iteration counts)."""
+    rows = {}
+    for line in metrics.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[row["iteration"]] = row
+    ordered = [rows[i] for i in sorted(rows)]
+    tasks = [key.split("/")[1] for key in ordered[0] if key.startswith("rollout/") and key.count("/") == 2
+             and key.endswith("/success")]
+    return {task: [sum(row[f"rollout/{task}/success"] for row in part) / len(part)
+                   for part in (ordered[:window], ordered[-window:])] for task in tasks}
+
+
 def wilson(row: dict) -> str:
     from vagen.eval import wilson_interval
 
@@ -156,6 +172,12 @@ def tables(results: dict) -> str:
                          + " | ".join(wilson(run["eval"][t]) for t in tasks) + " |")
         lines.append(f"| {arm} | pooled | | | | "
                      + " | ".join(wilson(pooled([r["eval"][t] for r in seeds.values()])) for t in tasks) + " |")
+    if all("training_success" in run for seeds in arms.values() for run in seeds.values()):
+        lines += ["", "| arm | seed | training rollouts' success, first 5 → last 5 iterations |", "| --- | --- | --- |"]
+        for arm, seeds in arms.items():
+            for seed, run in sorted(seeds.items()):
+                lines.append(f"| {arm} | {seed} | " + "; ".join(f"{task} {first:.3f} → {last:.3f}" for task, (first, last)
+                                                             in run["training_success"].items()) + " |")
     if "mixed" in arms:
         lines += ["", "| task | mixed − single, per seed | mean (95% t interval over seeds) | pooled (Newcombe 95%) |",
                   "| --- | --- | --- | --- |"]
@@ -204,6 +226,9 @@ def main(argv=None) -> int:
                "arms": {arm: {str(seed): json.loads((parts / f"{arm}-seed{seed}.json").read_text())
                               for seed in range(args.seeds) if (parts / f"{arm}-seed{seed}.json").exists()}
                         for arm in arms}}
+    for arm, seeds in results["arms"].items():
+        for seed, run in seeds.items():
+            run["training_success"] = training_success(out / "runs" / f"{arm}-seed{seed}" / "metrics.jsonl")
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
     print(tables(results))
     if failed:

@@ -234,3 +234,14 @@ def test_multitask_tables_pair_seeds_per_task(capsys):
     assert "| sokoban_visual | -0.125, -0.250 | -0.188 (-0.982 to +0.607) | -0.188 (" in text
     # frozenlake: only seed 0 ran in both arms
     assert "| frozenlake_visual | +0.000 | – | +0.000 (" in text
+
+
+def test_multitask_training_success_counts_each_iteration_once(tmp_path):
+    multitask = load("multitask_learning")
+    rows = [{"iteration": i, "rollout/success": 0.0, "rollout/sokoban_visual/success": i / 10,
+             "rollout/sokoban_visual/turns": 3.0} for i in range(8)]
+    rows.insert(3, {**rows[6], "rollout/sokoban_visual/success": 9.0})  # iteration 6's first try, logged again after
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    # iterations 0-1 (window 2) and 6-7, the retried iteration 6 counted once with its last row
+    assert multitask.training_success(tmp_path / "metrics.jsonl", window=2) == {
+        "sokoban_visual": [pytest.approx(0.05), pytest.approx(0.65)]}
