@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from staleness_learning import newcombe, t_interval  # noqa: E402
+from staleness_learning import iteration_rows, newcombe, t_interval  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -118,9 +118,9 @@ def run_children(jobs: list[tuple[str, int]], args, parts: Path) -> list[str]:
             arm, seed = todo.pop(0)
             if (parts / f"{arm}-seed{seed}.json").exists():
                 continue  # finished by an earlier call
-            log = open(parts / f"{arm}-seed{seed}.log", "w")
-            running.append((arm, seed, subprocess.Popen([sys.executable, __file__, "--part", f"{arm}:{seed}", *common],
-                                                        env=env, stdout=log, stderr=subprocess.STDOUT)))
+            with open(parts / f"{arm}-seed{seed}.log", "w") as log:  # the child keeps its own handle
+                running.append((arm, seed, subprocess.Popen([sys.executable, __file__, "--part", f"{arm}:{seed}",
+                                                             *common], env=env, stdout=log, stderr=subprocess.STDOUT)))
         time.sleep(2.0)
         for job in [job for job in running if job[2].poll() is not None]:
             running.remove(job)
@@ -131,14 +131,8 @@ def run_children(jobs: list[tuple[str, int]], args, parts: Path) -> list[str]:
 
 def training_success(metrics: Path, window: int = 5) -> dict[str, list[float]]:
     """Each task's success on its training rollouts (sampled), the mean of the first and of the last `window`
-    iterations of a run's metrics.jsonl (a chunk resumed from a checkpoint logs its iterations again: the last
-    row of an iteration counts)."""
-    rows = {}
-    for line in metrics.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows[row["iteration"]] = row
-    ordered = [rows[i] for i in sorted(rows)]
+    iterations of a run's metrics.jsonl (`staleness_learning.iteration_rows`: each iteration once)."""
+    ordered = iteration_rows(metrics)
     tasks = [key.split("/")[1] for key in ordered[0] if key.startswith("rollout/") and key.count("/") == 2
              and key.endswith("/success")]
     return {task: [sum(row[f"rollout/{task}/success"] for row in part) / len(part)

@@ -57,16 +57,21 @@ def newcombe(successes_a: int, n_a: int, successes_b: int, n_b: int) -> tuple[fl
             difference + math.sqrt((high_a - p_a) ** 2 + (p_b - low_b) ** 2))
 
 
-def training_rows(run_dir: Path, env_config: str, method: str, seed: str, last: int) -> list[dict]:
-    """The metrics.jsonl rows of one seed's iterations below `last` (the last evaluated), one per iteration: a
-    chunk resumed from a checkpoint logs its iterations again after the first try's."""
-    path = run_dir / "runs" / f"{env_config}-{method}-seed{seed}" / "metrics.jsonl"
+def iteration_rows(path: Path) -> list[dict]:
+    """A metrics.jsonl's rows, one per iteration in order: a chunk resumed from a checkpoint logs its iterations
+    again after the first try's, and the last row of an iteration counts."""
     rows = {}
     for line in path.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
             rows[row["iteration"]] = row
-    return [rows[i] for i in sorted(rows) if i < last]
+    return [rows[i] for i in sorted(rows)]
+
+
+def training_rows(run_dir: Path, env_config: str, method: str, seed: str, last: int) -> list[dict]:
+    """The metrics.jsonl rows of one seed's iterations below `last` (the last evaluated), one per iteration."""
+    path = run_dir / "runs" / f"{env_config}-{method}-seed{seed}" / "metrics.jsonl"
+    return [row for row in iteration_rows(path) if row["iteration"] < last]
 
 
 def arm_runs(run_dir: Path, env: str, method: str, env_config: str) -> tuple[dict, dict[str, dict]]:
