@@ -64,8 +64,10 @@ def arm_overrides(arm: str, cfg) -> list[str]:
     return [f"rollout.tasks=[{{config: {task.config}, groups: {groups}}}]", "sft.task_shares=[1]"]
 
 
-def evaluate_tasks(checkpoint: Path, cfg, n: int) -> dict[str, dict]:
-    """Greedy held-out metrics of `checkpoint` on each task of `cfg` (its first `n` distinct evaluation levels)."""
+def held_out_by_task(checkpoint: Path, cfg, n: int) -> dict[str, dict]:
+    """Greedy held-out metrics of `checkpoint` on each task of `cfg` (its first `n` distinct evaluation levels, the
+    cards' levels, with `successes` for intervals; `vagen.eval.evaluate_tasks` plays a run's eval.episodes levels
+    and writes their folders instead)."""
     from vagen.config import task_configs
     from vagen.episode import ChatEncoder
     from vagen.models import load_policy
@@ -103,7 +105,7 @@ def train_arm(arm: str, seed: int, args, cfg) -> dict:
     trained = {name: iterations * sub.rollout.env_groups * sub.rollout.group_size for name, sub in task_configs(arm_cfg)}
     checkpoint = out / "runs" / run_name / "checkpoints" / f"step_{iterations}" / "actor"
     return {"cpu_minutes": cpu / 60, "iterations": iterations, "trained_episodes": trained,
-            "eval": evaluate_tasks(checkpoint, cfg, args.eval_n)}
+            "eval": held_out_by_task(checkpoint, cfg, args.eval_n)}
 
 
 def run_children(jobs: list[tuple[str, int]], args, parts: Path) -> list[str]:
@@ -206,7 +208,7 @@ def main(argv=None) -> int:
     parts.mkdir(parents=True, exist_ok=True)
     if args.part:  # a child: one arm and seed, or the warm start
         arm, seed = args.part.rsplit(":", 1)
-        result = (evaluate_tasks(Path(args.warm_start), cfg, args.eval_n) if int(seed) < 0
+        result = (held_out_by_task(Path(args.warm_start), cfg, args.eval_n) if int(seed) < 0
                   else train_arm(arm, int(seed), args, cfg))
         (parts / f"{arm}-seed{seed}.json").write_text(json.dumps(result, indent=1, default=float))
         return 0
