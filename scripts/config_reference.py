@@ -96,7 +96,7 @@ def render() -> str:
         "well under a second, before torch loads: an unknown key names the closest valid keys, an unknown "
         "config name lists the files in `configs/`, a value of the wrong type names the key, the value and "
         "the type expected, and the cross-field checks (`validate` and `check_training` in "
-        "`vagen/config.py`; for example, GRPO and reward-std filtering need `rollout.group_size >= 2`) say "
+        "`vagen/config_checks.py`; for example, GRPO and reward-std filtering need `rollout.group_size >= 2`) say "
         "how to fix what they reject. Every run stores its resolved `config.yaml`, so a run can be reproduced.",
         "",
         "Sections: " + ", ".join(f"[`{s}`](#{s})" for s in config.SECTIONS) + ".",

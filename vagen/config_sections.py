@@ -1,10 +1,38 @@
 """The sections of vagen's config tree (`vagen.config.Config`): one dataclass each, every field with its default
-and a one-line help text. Data only; loading, composition and the cross-field checks are in `vagen.config`,
-which re-exports every name here."""
+and a one-line help text, and the choices of the fields that take one of a few values. Data only; loading and
+composition are in `vagen.config`, the cross-field checks in `vagen.config_checks`; `vagen.config` re-exports
+every name here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+CHOICES = {
+    ("model", "dtype"): ("float32", "bfloat16"),
+    ("model", "attn_implementation"): ("sdpa", "eager", "flash_attention_2"),
+    ("env", "render_mode"): ("vision", "text"),
+    ("sft", "lr_schedule"): ("constant", "cosine"),
+    ("sft", "reasoning"): ("near", "path", "plan"),
+    ("env", "prompt_format"): ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling"),
+    ("rollout", "backend"): ("hf", "vllm"),
+    ("rollout", "context"): ("full", "window"),
+    ("algo", "rollout_correction"): ("none", "tis"),
+    ("algo", "adv_estimator"): ("turn_gae", "gae", "grpo", "gigpo"),
+    ("algo", "gigpo_norm"): ("mean_std", "mean"),
+    ("algo", "token_selection"): ("all", "answer", "think_answer", "entropy"),
+    ("algo", "filter_mode"): ("none", "std", "std_rev"),
+    ("algo", "kl_kind"): ("k1", "k2", "k3", "abs"),
+    ("algo", "state_reward"): ("none", "rules", "judge"),
+    ("algo", "loss_agg"): ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+}
+
+
+# What each task of rollout.tasks keeps of its own environment config, besides its env section.
+TASK_ROLLOUT_KEYS = ("max_turns", "max_new_tokens", "max_trajectory_length")
 
 
 def _f(default, help: str):
