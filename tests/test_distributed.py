@@ -1,7 +1,9 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from child_env import child_env
 from ppo_reference import ADVANTAGES, ANSWERS, overrides, reference_update
@@ -105,3 +107,37 @@ def test_the_egl_device_is_set_for_cuda_ranks_only_and_inherited_by_worker_proce
                           env=environ, capture_output=True, text=True, check=True).stdout.strip()
     assert seen == "3"
 
+
+
+def test_a_rank_that_sees_one_gpu_uses_it_and_tells_deepspeed_and_vllm_so(monkeypatch):
+    """Under `srun --gpus-per-task=1` rank 3 of a node sees its GPU as device 0: it runs there (not on the
+    cuda:3 it cannot see), and LOCAL_RANK, which DeepSpeed and vLLM's external_launcher read as a device
+    index, names it. The visible count is faked; set_device records where the rank went."""
+    import vagen.decoding_vllm as dv
+    from vagen.distributed import device_index, init_distributed, rank_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert rank_device(3) == torch.device("cuda", 0) and rank_device(3, 8) == torch.device("cuda", 0)
+    for key, value in {"RANK": "3", "WORLD_SIZE": "1", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8",
+                       "MUJOCO_GL": "osmesa", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    dist = init_distributed(need_group=False)
+    assert dist.device == torch.device("cuda", 0) and chosen == [torch.device("cuda", 0)]
+    assert dist.local_rank == 3 and dist.rank == 3
+    assert os.environ["LOCAL_RANK"] == "0"
+    assert dv.placement(1, ranks=8, device=0) == {"distributed_executor_backend": "external_launcher"}
+    monkeypatch.setenv("LOCAL_RANK", "3")  # an engine built in a rank that init_distributed did not start
+    with pytest.raises(RuntimeError, match=r"runs on GPU 0 but LOCAL_RANK=3.*init_distributed"):
+        dv.placement(1, ranks=8, device=0)
+    # every device visible: the rank's own index, as the DeepSpeed launcher and torchrun give it
+    assert device_index(3, 8) == 3 and device_index(3, 8, 8) == 3 and device_index(0, 1, 8) == 0
+    # two GPUs per task for eight tasks: no index is surely the rank's own
+    for local_rank in (0, 3):
+        with pytest.raises(RuntimeError, match=r"local rank \d of 8 ranks on this machine sees 2 CUDA devices.*"
+                                               r"--gpus-per-task=1"):
+            device_index(local_rank, 2, 8)
+    with pytest.raises(RuntimeError, match="local rank 3 of an unknown number of ranks on this machine sees 2"):
+        device_index(3, 2)

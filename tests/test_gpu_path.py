@@ -4,6 +4,7 @@ the real vocabulary size, the graded-field curves, evaluation's image bounds."""
 
 import copy
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -52,7 +53,8 @@ def test_on_a_gpu_the_rank_device_is_current_before_any_collective():
     from vagen.distributed import init_distributed
 
     dist = init_distributed(need_group=False)
-    assert dist.device == torch.device("cuda", dist.local_rank) and torch.cuda.current_device() == dist.local_rank
+    assert dist.device.type == "cuda" and torch.cuda.current_device() == dist.device.index
+    assert os.environ["LOCAL_RANK"] == str(dist.device.index)  # what DeepSpeed and vLLM take as the device
 
 
 def test_evaluation_reads_frames_at_the_configs_pixel_bounds(tiny_vl, tmp_path, monkeypatch):

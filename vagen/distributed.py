@@ -203,9 +203,32 @@ def clear_stale_build_locks(lock_blocks: bool | None = None, settle_s: float = 0
     return said
 
 
-def rank_device(local_rank: int) -> torch.device:
-    """The device of the rank with `local_rank` on its machine: its own GPU, or the CPU."""
-    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+def device_index(local_rank: int, visible: int, local_world: int | None = None) -> int:
+    """The CUDA index, among the `visible` devices this process sees, of the rank with `local_rank` of the
+    `local_world` ranks on its machine:
+    - one visible device: device 0, whatever the local rank. A site that binds one GPU per task (SLURM's
+      `--gpus-per-task=1`, `--gpu-bind`, a site default) shows each rank its own GPU as device 0;
+    - every rank's device visible (`local_world` at most `visible`, or unknown and `local_rank` below
+      `visible`): device `local_rank`, as the DeepSpeed launcher, torchrun and `srun --gpus-per-node` give it;
+    - otherwise refused: several devices per rank but not one each for every rank of the machine (e.g.
+      `--gpus-per-task=2`) has no index that is surely the rank's own, and `local_rank % visible` could put
+      two ranks on one GPU."""
+    if visible == 1:
+        return 0
+    if local_rank < visible and (local_world is None or local_world <= visible):
+        return local_rank
+    raise RuntimeError(f"local rank {local_rank} of {local_world or 'an unknown number of'} ranks on this machine sees "
+                       f"{visible} CUDA devices; expected either one device per rank (a GPU bound to each task, "
+                       f"e.g. srun --gpus-per-task=1) or every rank's device (--gpus-per-node equal to the tasks per "
+                       f"node, or CUDA_VISIBLE_DEVICES unset); bind one GPU per task or none")
+
+
+def rank_device(local_rank: int, local_world: int | None = None) -> torch.device:
+    """The device of the rank with `local_rank` of `local_world` on its machine: its own GPU
+    (`device_index` among the devices this process sees), or the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", device_index(local_rank, torch.cuda.device_count(), local_world))
 
 
 def slurm_environment(environ) -> dict[str, str]:
@@ -250,15 +273,21 @@ def init_distributed(need_group: bool = True, timeout_minutes: float = 30) -> Di
     under `srun` they are read from SLURM's variables, `slurm_environment`): gloo on CPU, NCCL on GPUs,
     with `timeout_minutes` for every collective (`train.dist_timeout_minutes`). Under plain `python` the
     group is one of one, made only when `need_group` (DeepSpeed engines need one; evaluation on one rank
-    does not)."""
+    does not). On a GPU the rank's device is `device_index`'s and LOCAL_RANK is set to its index, since
+    DeepSpeed and vLLM's `external_launcher` read LOCAL_RANK as a device index; `Dist.local_rank` keeps the
+    launcher's rank on the machine."""
     os.environ.update(slurm_environment(os.environ))
     if "RANK" not in os.environ and need_group:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = rank_device(local_rank)
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    device = rank_device(local_rank, int(local_world) if local_world else None)
     if device.type == "cuda":
+        # DeepSpeed's engine and ZeRO-3's partitioning, and vLLM's `external_launcher` worker, each take
+        # LOCAL_RANK as the CUDA index: under one GPU bound per task it must name the device this process sees.
+        os.environ["LOCAL_RANK"] = str(device.index)
         torch.cuda.set_device(device)
         render_on_rank_device(device)  # before any environment (or env worker process) opens a GL context
     else:

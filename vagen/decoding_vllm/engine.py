@@ -132,7 +132,7 @@ class VLLMDecoder(WeightSync, AgentLoop):
             generation_config="vllm",  # the checkpoint's sampling defaults would change the distribution
             logprobs_mode="processed_logprobs",  # of the distribution sampled from: masked, after temperature
             logits_processors=[SUPPRESS_TOKENS],
-            **placement(tensor_parallel, ranks),
+            **placement(tensor_parallel, ranks, torch.cuda.current_device() if self.on_gpu else None),
         )
         if self.on_gpu:
             options["enable_sleep_mode"] = bool(self.settings["sleep_mode"])
@@ -218,10 +218,12 @@ class VLLMDecoder(WeightSync, AgentLoop):
             self.adapter_dir = None
 
 
-def placement(tensor_parallel: int, ranks: int) -> dict:
+def placement(tensor_parallel: int, ranks: int, device: int | None = None) -> dict:
     """vLLM's executor for an engine built inside a trainer rank: `external_launcher` under a process group of
-    several ranks, which gives the engine's worker the rank's RANK and LOCAL_RANK (its GPU); the default
-    otherwise (one rank, whose device is the engine's device 0, or tensor-parallel workers of its own)."""
+    several ranks, which gives the engine's worker the rank's RANK and LOCAL_RANK; the default otherwise (one
+    rank, whose device is the engine's device 0, or tensor-parallel workers of its own). vLLM's worker takes
+    LOCAL_RANK as its CUDA index, so on a GPU (`device`: the rank's current CUDA index) it must name that
+    device; `vagen.distributed.init_distributed` sets it so (device 0 where one GPU is bound per task)."""
     if tensor_parallel > 1 or ranks == 1:
         return {}
     missing = [key for key in ("RANK", "LOCAL_RANK") if key not in os.environ]
@@ -229,6 +231,11 @@ def placement(tensor_parallel: int, ranks: int) -> dict:
         raise RuntimeError(f"a vLLM engine inside a trainer rank reads its rank from the environment, but {missing} "
                            f"are not set; start the job with the DeepSpeed launcher (deepspeed vagen/train.py) or "
                            f"with vagen.distributed.init_distributed, which set them")
+    if device is not None and os.environ["LOCAL_RANK"] != str(device):
+        raise RuntimeError(f"this rank runs on GPU {device} but LOCAL_RANK={os.environ['LOCAL_RANK']}, which vLLM's "
+                           f"external_launcher worker would take as its device (another rank's GPU, or one this "
+                           f"process cannot see); start the rank with vagen.distributed.init_distributed, which sets "
+                           f"LOCAL_RANK to the rank's device")
     return {"distributed_executor_backend": "external_launcher"}
 
 
