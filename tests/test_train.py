@@ -220,3 +220,27 @@ def test_zero3_trains_and_saves_one_model_on_a_cpu(tmp_path, model_cache, distri
     last = _metrics(run)[-1]
     assert math.isfinite(last["actor/pg_loss"]) and math.isfinite(last["critic/vf_loss"]) and last["actor/grad_norm"] > 0
     assert (run / "checkpoints" / "step_2" / "actor" / "model.safetensors").exists()
+
+
+def test_a_reused_run_name_without_resume_is_refused_and_the_first_run_is_left_as_it_was(tmp_path, model_cache,
+                                                                                         distributed, capsys):
+    run, _ = _run("sokoban_text", tmp_path, model_cache, "train.run_name=taken", "train.iterations=1")
+    kept = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "config.yaml")}
+    latest = (run / "checkpoints" / "latest").read_text()
+    entries = sorted(path.name for path in run.iterdir())  # tensorboard's events file besides the three named
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:  # a refusal before any model is built, not a traceback
+        _run("sokoban_text", tmp_path, model_cache, "train.run_name=taken", "train.iterations=1", "train.seed=1")
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"refused: train.run_name='taken': {run} holds a run already (metrics.jsonl, config.yaml, "
+                          f"checkpoints, {len(entries) - 3} other entries), and train.resume is not set")
+    assert "give a new train.run_name for a new run, or train.resume=auto to continue that one" in err
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    assert (run / "checkpoints" / "latest").read_text() == latest
+    assert sorted(path.name for path in run.iterdir()) == entries
+    (tmp_path / "made_by_hand").mkdir()  # an empty directory of that name is taken
+    from vagen.run import reused_run_name
+
+    assert reused_run_name(tmp_path / "made_by_hand", load_config("sokoban_text", ["train.run_name=made_by_hand"])) is None
+    assert reused_run_name(run, load_config("sokoban_text", ["train.run_name=taken", "train.resume=auto"])) is None

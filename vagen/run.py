@@ -91,6 +91,8 @@ class RunDir:
             elif refusal is None:
                 name = cfg.train.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
                 path = Path(cfg.train.run_dir) / name
+                refusal = reused_run_name(path, cfg)
+            if refusal is None and resume_from is None:
                 path.mkdir(parents=True, exist_ok=cfg.train.run_name is not None)
                 if cfg.train.resume == "auto":  # a run killed before its first checkpoint starts over
                     forget_after(path, 0)
@@ -300,6 +302,25 @@ def prune_checkpoints(checkpoints: Path, keep: int) -> None:
     for old in steps[:max(0, len(steps) - keep)]:
         if old.name != named:
             shutil.rmtree(old)
+
+
+def reused_run_name(path: Path, cfg: Config) -> str | None:
+    """Why a new run may not start in `path` (None: it may): `train.run_name` names a directory that holds a
+    run already and `train.resume` is not set. Starting iteration 0 there would append a second run's rows to
+    its metrics.jsonl, replace its config.yaml and leave its checkpoints/latest pointing at the old weights.
+    An empty directory (made by the user) is taken."""
+    if cfg.train.resume or cfg.train.run_name is None or not path.is_dir():
+        return None
+    held = sorted(entry.name for entry in path.iterdir())
+    if not held:
+        return None
+    named = [name for name in ("metrics.jsonl", "config.yaml", "checkpoints") if name in held]
+    others = len(held) - len(named)
+    what = ", ".join(named + ([f"{others} other entr{'y' if others == 1 else 'ies'}"] if others else []))
+    return (f"train.run_name={cfg.train.run_name!r}: {path} holds a run already ({what}), and train.resume is "
+            f"not set, so this run would start at "
+            f"iteration 0 inside it; give a new train.run_name for a new run, or train.resume=auto to continue that "
+            f"one (from its latest checkpoint, or from the start if it saved none)")
 
 
 class ResumeError(ValueError):
