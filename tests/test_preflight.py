@@ -12,9 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from vagen.config import CONFIGS_DIR, ChecksFailed, check_config, load_config, load_configs, machine_problems
+from vagen.config import (
+    CONFIGS_DIR,
+    ChecksFailed,
+    ConfigError,
+    check_config,
+    load_config,
+    load_configs,
+    machine_problems,
+)
 from vagen.memory import GIB, MARGIN_GIB, communication_gib, estimate
-from vagen.preflight import IMAGE_HOOK_KEYS, KNOWN_MODEL_TYPES, checkpoint_config
+from vagen.preflight import FAMILY_MODEL_TYPES, IMAGE_HOOK_KEYS, KNOWN_MODEL_TYPES, checkpoint_config
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
@@ -83,8 +91,10 @@ def test_the_known_model_types_are_those_of_vagen_models():
     pytest.importorskip("torch")
     from vagen.config import BUILTIN_MODELS
     from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, builtin_family, known_model_types
+    from vagen.models.families import FAMILIES
 
     assert list(KNOWN_MODEL_TYPES) == known_model_types()
+    assert FAMILY_MODEL_TYPES == {family.name: tuple(sorted(family.model_types)) for family in FAMILIES}
     assert IMAGE_HOOK_KEYS == (CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE)
     for name in BUILTIN_MODELS:  # each built-in's predicted config.json names a model type of its family
         assert checkpoint_config(name)[0]["model_type"] in builtin_family(name).model_types, name
@@ -164,6 +174,26 @@ def test_the_hooks_matter_to_vllm_only_and_a_checkpoint_without_them_passes(tmp_
     # a checkpoint not on this machine (a recipe checked elsewhere) is not read
     cfg = load_configs(["sokoban_visual", "recipes/qwen2.5-vl-7b"], require_checkpoint=False)
     assert machine_problems(cfg) == []
+
+
+def test_a_recipe_over_a_checkpoint_of_another_family_is_refused(tmp_path):
+    """A Qwen2.5-VL recipe over a Qwen3-VL checkpoint would give its processor 28-pixel cells and no
+    min_pixels: refused when the config loads, naming the recipes of the checkpoint's family."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    with pytest.raises(ConfigError) as refused:
+        load_configs(["sokoban_visual", "recipes/qwen2.5-vl-3b"], [f"model.path={tmp_path}"])
+    assert str(refused.value) == (
+        f"recipe {CONFIGS_DIR / 'recipes' / 'qwen2.5-vl-3b.yaml'} is for model family qwen2_vl (model_type qwen2_5_vl "
+        f"or qwen2_vl), but model.path={tmp_path}: {tmp_path / 'config.json'} has model_type 'qwen3_vl', of family "
+        f"qwen3_vl; the recipe's image geometry and budgets are its family's. Use a recipe of family qwen3_vl "
+        f"(recipes/qwen3-vl-4b, recipes/qwen3-vl-4b-lora, recipes/qwen3-vl-8b, recipes/qwen3-vl-8b-lora), or a "
+        f"checkpoint of family qwen2_vl")
+    done = _config_cli("sokoban_visual", "--config", "recipes/qwen2.5-vl-3b", f"model.path={tmp_path}", "--ranks", "8")
+    assert done.returncode == 2 and "of family qwen3_vl" in done.stderr, done.stderr
+    # the checkpoint of the recipe's family passes, as does a Qwen3-VL recipe over the Qwen3-VL checkpoint
+    load_configs(["sokoban_visual", "recipes/qwen3-vl-4b"], [f"model.path={tmp_path}"], require_checkpoint=False)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    load_configs(["sokoban_visual", "recipes/qwen2.5-vl-3b"], [f"model.path={tmp_path}"], require_checkpoint=False)
 
 
 # -- the GPU check ----------------------------------------------------------------------------------------

@@ -322,6 +322,21 @@ def _recipe_family(family, path: Path) -> str | None:
                       f"choices: {', '.join(MODEL_FAMILIES)} (a recipe names the family of the checkpoint it trains)")
 
 
+def _check_recipe_family(raw: dict, family: str, recipe: Path) -> None:
+    """Refuse a checkpoint (model.path, where it is on this machine) of another family than the recipe's."""
+    from vagen.preflight import recipe_family_problem
+
+    model = raw.get("model") or {}
+    checkpoint = (family, str(recipe), str(model.get("path", ModelConfig.path)),
+                  bool(model.get("builtin_position_code", False)))
+    if recipe_family_problem(*checkpoint) is None:
+        return
+    recipes: dict[str, list[str]] = {}  # the shipped recipes of each family, for the message
+    for path in sorted((CONFIGS_DIR / "recipes").glob("*.yaml"), key=lambda p: p.stem):
+        recipes.setdefault((yaml.safe_load(path.read_text()) or {}).get("family"), []).append(f"recipes/{path.stem}")
+    raise ConfigError(recipe_family_problem(*checkpoint, recipes))
+
+
 def _real_model_section(section, path: Path) -> dict:
     """An environment config's `real_model` section, checked: config sections with the keys REAL_MODEL_KEYS
     at least, and per model family (MODEL_FAMILIES) sections applied over them for a recipe of that family."""
@@ -379,6 +394,7 @@ def load_configs(names: str | list[str] | None = None, overrides: list[str] | No
     raw: dict = {}
     parts = []
     profile = None  # (path, real_model section) of the last config before the current one that has one
+    recipe = None  # (family, path) of the last recipe
     entries, tasks_at = config_names(names), None
     for at, entry in enumerate(entries):
         path = resolve_config_path(entry)
@@ -396,9 +412,13 @@ def load_configs(names: str | list[str] | None = None, overrides: list[str] | No
             tasks_at = at
         if family is not None and tasks_at is None:  # several tasks: each task's real_model, in _resolve_tasks
             _apply_real_model(raw, family, path, profile, before=parts[:-1])
+        if family is not None:
+            recipe = (family, path)
     for text in overrides or []:
         key, value = parse_override(text)
         _apply(raw, key, value, "command-line override")
+    if recipe is not None:
+        _check_recipe_family(raw, *recipe)
     after = entries[tasks_at + 1:] if tasks_at is not None else []
     _resolve_tasks(raw, after, overrides or [], require_checkpoint)
     token = _CHECKPOINT_OPTIONAL.set(not require_checkpoint)

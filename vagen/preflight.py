@@ -3,8 +3,9 @@
 - The packages its choices import: vLLM for `rollout.backend=vllm`, peft for `model.lora_rank > 0`, each
   tracker of `log.trackers` (flash-attn for `model.attn_implementation=flash_attention_2` is refused when
   the config loads). Looked up with `importlib.util.find_spec`: nothing is imported.
-- What the checkpoint's config.json says: its `model_type` (a family vagen knows) and, with
-  `rollout.backend=vllm`, whether it turns on vagen's image hooks, which stock vLLM does not run.
+- What the checkpoint's config.json says: its `model_type` (a family vagen knows, and the family a recipe
+  names: `recipe_family_problem`) and, with `rollout.backend=vllm`, whether it turns on vagen's image hooks,
+  which stock vLLM does not run.
 
 Each function returns the problems as sentences (empty when there are none); `vagen.config` turns them
 into config errors. Imports only the standard library (and `envs_visual.assets` for the shipped warm
@@ -17,9 +18,11 @@ import importlib.util
 import json
 from pathlib import Path
 
-# The `model_type`s of the families in vagen/models/families.py (tests/test_preflight.py keeps the two
+# The `model_type`s of each family in vagen/models/families.py (tests/test_preflight.py keeps the two
 # equal), known here without importing torch.
-KNOWN_MODEL_TYPES = ("qwen2", "qwen2_5_vl", "qwen2_vl", "qwen3", "qwen3_5", "qwen3_vl")
+FAMILY_MODEL_TYPES = {"qwen2_vl": ("qwen2_5_vl", "qwen2_vl"), "qwen3_vl": ("qwen3_vl",), "qwen3_5": ("qwen3_5",),
+                      "qwen_text": ("qwen2", "qwen3")}
+KNOWN_MODEL_TYPES = tuple(sorted(t for types in FAMILY_MODEL_TYPES.values() for t in types))
 
 # config.json keys that turn on the built-in VLM's image hooks (`vagen.models.image_hooks`); the same
 # names as CENTER_IMAGE_TOKENS and IMAGE_POSITION_CODE there.
@@ -113,3 +116,26 @@ def checkpoint_problems(cfg, path: str | None = None, label: str = "model.path")
                         f"trained (every shipped visual warm start and builtin:tiny-vl have them). Use "
                         f"rollout.backend=hf, or a standard checkpoint of a known family (model.path=/path/to/it)")
     return problems
+
+
+def recipe_family_problem(family: str, recipe: str, path: str, position_code: bool = False,
+                          recipes: dict[str, list[str]] | None = None) -> str | None:
+    """Why the checkpoint `path` (a `model.path`) cannot be trained with the recipe `recipe`, which names the
+    model family `family` (its top-level `family:`), or None: its config.json's `model_type` belongs to another
+    family. The recipe's image geometry and budgets are that family's (a Qwen2.5-VL recipe gives a Qwen3-VL
+    processor 28-pixel cells and no min_pixels). Not checked where the checkpoint is not on this machine, or
+    its model_type is unknown (`checkpoint_problems` says so). `recipes`: family -> the recipes of it."""
+    config, source = checkpoint_config(path, position_code)
+    if config is None or "__unreadable__" in config:
+        return None
+    model_type = config.get("model_type")
+    if model_type in FAMILY_MODEL_TYPES.get(family, ()):
+        return None
+    actual = next((name for name, types in FAMILY_MODEL_TYPES.items() if model_type in types), None)
+    if actual is None:
+        return None
+    instead = f" ({', '.join(recipes[actual])})" if recipes and recipes.get(actual) else ""
+    return (f"recipe {recipe} is for model family {family} (model_type {' or '.join(FAMILY_MODEL_TYPES[family])}), "
+            f"but model.path={path}: {source} has model_type {model_type!r}, of family {actual}; the recipe's image "
+            f"geometry and budgets are its family's. Use a recipe of family {actual}{instead}, or a checkpoint of "
+            f"family {family}")
