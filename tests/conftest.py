@@ -9,8 +9,19 @@ try:
 except ImportError:
     pass
 
+from time_limit import pytest_runtest_protocol  # noqa: E402, F401  (a per-test time limit that names the test)
+
 # Offscreen MuJoCo rendering through Mesa's EGL; without it MuJoCo looks for an X11 display.
 os.environ.setdefault("MUJOCO_GL", "egl")
+
+
+def pytest_sessionstart(session):
+    """A DeepSpeed op's build lock that a killed build left behind makes torch releases with `FileBaton` wait
+    forever at the op's next build. Training clears such locks when it starts its process group; tests that
+    build DeepSpeed engines in a process group someone else made (vLLM's) would not, so the session does."""
+    from vagen.distributed import clear_stale_build_locks
+
+    clear_stale_build_locks()
 
 
 def pytest_collection_modifyitems(config, items):
