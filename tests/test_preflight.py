@@ -176,6 +176,38 @@ def test_the_hooks_matter_to_vllm_only_and_a_checkpoint_without_them_passes(tmp_
     assert machine_problems(cfg) == []
 
 
+def _installed_vllm(monkeypatch, tmp_path: Path, version: str) -> None:
+    """The package metadata of an installed vLLM `version`, found before any other (nothing is imported)."""
+    info = tmp_path / "site" / f"vllm-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+
+
+@pytest.mark.parametrize("version, refused", [("0.26.0", True), ("0.31.1", True), ("0.32.0", False),
+                                              ("0.32.0+cpu", False), ("0.33.0rc1", False)])
+def test_qwen3_5_under_vllm_needs_the_release_that_runs_it(tmp_path, monkeypatch, version, refused):
+    """vLLM 0.26's CPU kernel of Qwen3.5's linear-attention layers fails; the config says so, naming 0.32.0."""
+    from vagen.preflight import checkpoint_problems, vllm_release
+
+    _installed_vllm(monkeypatch, tmp_path, version)
+    assert vllm_release() == version.split("+")[0]
+    cfg = load_config("sokoban_visual", ["rollout.backend=vllm", "model.path=builtin:tiny-qwen3.5", "model.dtype=bfloat16"])
+    problems = checkpoint_problems(cfg)
+    if refused:
+        assert problems == [f"rollout.backend=vllm with Qwen3.5 (model.path=builtin:tiny-qwen3.5) needs vLLM 0.32 or "
+                            f"later, but vLLM {version} is installed: its CPU kernel of Qwen3.5's linear-attention "
+                            f"layers fails (chunk_gated_delta_rule_cpu: \"Input tensor dtype mismatch\") and it has not "
+                            f"run Qwen3.5 on a GPU. Install the pinned set, vLLM 0.32.0 (pip install -c "
+                            f"constraints/gpu.txt -e \".[vllm,lora]\"; on a CPU bash scripts/vllm_env.sh --vllm 0.32.0), "
+                            f"or set rollout.backend=hf"]
+    else:
+        assert problems == []
+    # the hf backend, and another family under the same vLLM, are not its concern
+    assert checkpoint_problems(load_config("sokoban_visual", ["model.path=builtin:tiny-qwen3.5"])) == []
+    assert checkpoint_problems(load_config("sokoban_text", ["rollout.backend=vllm"])) == []
+
+
 def test_a_recipe_over_a_checkpoint_of_another_family_is_refused(tmp_path):
     """A Qwen2.5-VL recipe over a Qwen3-VL checkpoint would give its processor 28-pixel cells and no
     min_pixels: refused when the config loads, naming the recipes of the checkpoint's family."""

