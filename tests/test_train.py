@@ -244,3 +244,26 @@ def test_a_reused_run_name_without_resume_is_refused_and_the_first_run_is_left_a
 
     assert reused_run_name(tmp_path / "made_by_hand", load_config("sokoban_text", ["train.run_name=made_by_hand"])) is None
     assert reused_run_name(run, load_config("sokoban_text", ["train.run_name=taken", "train.resume=auto"])) is None
+
+
+def test_the_last_iteration_saves_unless_train_save_last_is_false(tmp_path, monkeypatch):
+    """A smoke run (scripts/gpu_smoke.sh) keeps no weights: train.save_last=false leaves only save_every's."""
+    import vagen.run
+    from vagen.distributed import Dist
+
+    saved = []
+    monkeypatch.setattr(vagen.run, "save_checkpoint", lambda path, it, *args, **kwargs: saved.append(path.name))
+    run = vagen.run.RunDir(tmp_path, Dist(0, 1, 0, None))
+
+    class Monitor:
+        def state_dict(self):
+            return {}
+
+    for save_last, every, expected in ((True, 0, ["step_3"]), (False, 0, []), (False, 2, ["step_2"]),
+                                       (True, 2, ["step_2", "step_3"])):
+        saved.clear()
+        cfg = load_config("sokoban_text", ["train.iterations=3", f"train.save_last={str(save_last).lower()}",
+                                           f"train.save_every={every}"])
+        for it in range(3):
+            run.maybe_save(it, cfg, None, None, None, Monitor())
+        assert saved == expected, (save_last, every)

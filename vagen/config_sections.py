@@ -257,6 +257,8 @@ class TrainConfig:
     run_name: str | None = _f(None, "run directory name; null = <config>-<time>")
     resume: str | None = _f(None, "auto (latest in this run name) | PATH of a checkpoint | null")
     save_every: int = _f(0, "checkpoint every N iterations; 0 = only at the end")
+    save_last: bool = _f(True, "checkpoint after the last iteration; false: only train.save_every's (a smoke run or "
+                               "a benchmark that keeps no weights)")
     keep_checkpoints: int | None = _f(None, "keep only the newest N checkpoints of a run; null = all")
     dist_timeout_minutes: int = _f(30, "how long a rank waits in a collective for the others (process-group "
                                        "timeout): the longest any rank works alone, e.g. rank 0 writing a "

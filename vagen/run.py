@@ -182,7 +182,7 @@ class RunDir:
 
     def maybe_save(self, it: int, cfg: Config, actor_engine, critic_engine, processor, monitor,
                    force: bool = False, tracked: dict | None = None) -> None:
-        last = it + 1 == cfg.train.iterations
+        last = it + 1 == cfg.train.iterations and cfg.train.save_last
         every = cfg.train.save_every
         if not (force or last or (every > 0 and (it + 1) % every == 0)):
             return
