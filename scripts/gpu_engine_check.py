@@ -5,6 +5,11 @@
     python scripts/gpu_engine_check.py linear   # torch.nn.functional.linear after a ZeRO-3 partitioned build,
                                                 # then an engine built and decoding in the same process
     python scripts/gpu_engine_check.py egl      # MUJOCO_EGL_DEVICE_ID of each local rank, and a frame it renders
+    python scripts/gpu_engine_check.py all      # each of them in a process of its own
+
+One engine per process: vLLM's sleep-mode allocator serves one engine instance per process (loading weights
+asserts that it holds nothing yet), and its own sleep-mode tests fork a process per test. So `runner` builds each
+of its two engines in a child process (`engine SIZES MODEL`), and `all` runs each check in a process of its own.
 
 Imports nothing heavy at the top, so that `python -c "import runpy; ..."` checks it without a GPU.
 """
@@ -45,23 +50,43 @@ def engine(path: Path, **sizes):
     return VLLMDecoder(path, ChatEncoder(load_policy(path)[1]), dtype="bfloat16", seed=0, **sizes)
 
 
+# The two sizings `runner` compares: a rank's engine for 16 episodes of 2,048 tokens, and vLLM's serving defaults.
+SIZINGS = {"rank_sizes": {"episodes": 16, "trajectory_length": 2048}, "serving_defaults": {}}
+
+
+def engine_row(name: str, path: Path) -> dict:
+    """Build one engine of sizing `name` on the model at `path` (in a process of its own: see the docstring) and
+    read what vLLM made of it."""
+    decoder = engine(path, **SIZINGS[name])
+    config = decoder.llm.llm_engine.vllm_config
+    row = {"start_s": round(decoder.start_seconds, 1), "runner": decoder.model_runner,
+           "max_num_seqs": config.scheduler_config.max_num_seqs,
+           "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+           "cudagraph_capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or []),
+           "activation_bytes": decoder.activation_bytes}
+    decoder.close()
+    return row
+
+
+def in_child(args: list[str], timeout: float = 900) -> dict:
+    """This script run with `args` in a child process, and the JSON line it printed last (or what went wrong)."""
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode not in (0, 1) or not lines:
+        return {"ok": False, "error": f"`{' '.join(args)}` exited with {done.returncode}: {done.stderr[-1500:]}"}
+    return json.loads(lines[-1])
+
+
 def check_runner(work: Path) -> dict:
     """Model Runner V1 (vagen pins it) on CUDA, and the start-up of an engine sized for 16 episodes of 2,048
-    tokens against one with vLLM's serving defaults."""
+    tokens against one with vLLM's serving defaults: each engine in a child process."""
     from vagen.vllm_compat import runner_version
 
     path = standard_tiny_vl(work)
-    row = {}
-    for name, sizes in (("rank_sizes", {"episodes": 16, "trajectory_length": 2048}), ("serving_defaults", {})):
-        decoder = engine(path, **sizes)
-        config = decoder.llm.llm_engine.vllm_config
-        row[name] = {"start_s": round(decoder.start_seconds, 1), "runner": decoder.model_runner,
-                     "max_num_seqs": config.scheduler_config.max_num_seqs,
-                     "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
-                     "cudagraph_capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or []),
-                     "activation_bytes": decoder.activation_bytes}
-        decoder.close()
-    row["ok"] = all(runner_version(row[k]["runner"]) == "V1" for k in ("rank_sizes", "serving_defaults"))
+    row = {name: in_child(["engine", name, str(path)]) for name in SIZINGS}
+    row["ok"] = all("runner" in row[k] and runner_version(row[k]["runner"]) == "V1" for k in SIZINGS)
     return row
 
 
@@ -131,9 +156,17 @@ CHECKS = {"runner": check_runner, "linear": check_linear, "egl": check_egl}
 
 
 def main(argv=None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) == 3 and args[0] == "engine" and args[1] in SIZINGS:  # one engine of `runner`, in its own process
+        print(json.dumps(engine_row(args[1], Path(args[2]))), flush=True)
+        return 0
+    if args == ["all"]:  # each check in a process of its own
+        rows = [{"check": name, **in_child([name], timeout=1800)} for name in CHECKS]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        return 0 if all(row["ok"] for row in rows) else 1
     if len(args) != 1 or args[0] not in CHECKS:
-        print(f"usage: python scripts/gpu_engine_check.py {{{','.join(CHECKS)}}}", file=sys.stderr)
+        print(f"usage: python scripts/gpu_engine_check.py {{{','.join([*CHECKS, 'all'])}}}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as work:
         row = {"check": args[0], **CHECKS[args[0]](Path(work))}
