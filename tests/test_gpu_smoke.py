@@ -186,7 +186,8 @@ def test_a_dry_run_says_what_each_run_would_train_and_trains_nothing(tmp_path):
 def test_three_iterations_of_a_recipe_and_its_lora_run_on_the_cpu_with_a_tiny_model(tmp_path, model_cache):
     done = _smoke(tmp_path, "qwen2.5-vl-3b", "builtin:tiny-vl", "rollout.backend=hf", "rollout.env_groups=2",
                   "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens=8", "train.mini_batch_size=4",
-                  "train.micro_batch_size=2", "model.gradient_checkpointing=false", f"model.builtin_cache={model_cache}")
+                  "train.micro_batch_size=2", "model.gradient_checkpointing=false", f"model.builtin_cache={model_cache}",
+                  "model.freeze_vision=false")  # LoRA over a random built-in: its vision tower trains too
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = tmp_path / "out"
     summary = _lines(out / "summary.txt")
