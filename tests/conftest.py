@@ -18,10 +18,16 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 def pytest_sessionstart(session):
     """A DeepSpeed op's build lock that a killed build left behind makes torch releases with `FileBaton` wait
     forever at the op's next build. Training clears such locks when it starts its process group; tests that
-    build DeepSpeed engines in a process group someone else made (vLLM's) would not, so the session does."""
-    from vagen.distributed import clear_stale_build_locks
+    build DeepSpeed engines in a process group someone else made (vLLM's) would not, so the session does (torch's
+    extension helpers, which say at import that no CUDA runtime is found, are loaded only where a lock exists)."""
+    import glob
 
-    clear_stale_build_locks()
+    own = os.environ.get("TORCH_EXTENSIONS_DIR")
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
+    if glob.glob(os.path.join(glob.escape(own), "*", "lock") if own else os.path.join(glob.escape(cache), "*", "*", "lock")):
+        from vagen.distributed import clear_stale_build_locks
+
+        clear_stale_build_locks()
 
 
 def pytest_collection_modifyitems(config, items):
