@@ -58,6 +58,10 @@ if ! "$PY" scripts/gpu_smoke.py "${PLAN[@]}" -- "$@"; then
   exit 1
 fi
 mapfile -t RUNS < "$OUT/checks"
+if [ ${#RUNS[@]} = 0 ]; then
+  echo "[gpu_smoke] CHECKS=${CHECKS:-recipe lora stale} leaves no run to make: nothing was run" >&2
+  exit 1
+fi
 
 GPU_GIB=()
 if [ $HAVE_GPU = 1 ]; then  # GiB as the estimate counts them (81,559 MiB: 79.6)
