@@ -196,9 +196,9 @@ def test_qwen3_5_under_vllm_needs_the_release_that_runs_it(tmp_path, monkeypatch
     problems = checkpoint_problems(cfg)
     if refused:
         assert problems == [f"rollout.backend=vllm with Qwen3.5 (model.path=builtin:tiny-qwen3.5) needs vLLM 0.32 or "
-                            f"later, but vLLM {version} is installed: its CPU kernel of Qwen3.5's linear-attention "
-                            f"layers fails (chunk_gated_delta_rule_cpu: \"Input tensor dtype mismatch\") and it has not "
-                            f"run Qwen3.5 on a GPU. Install the pinned set, vLLM 0.32.0 (pip install -c "
+                            f"later, but vLLM {version} is installed (0.26.0's CPU kernel of Qwen3.5's linear-attention "
+                            f"layers fails: chunk_gated_delta_rule_cpu, \"Input tensor dtype mismatch\"; no release "
+                            f"before 0.32 has run Qwen3.5 in vagen's tests). Install the pinned set, vLLM 0.32.0 (pip install -c "
                             f"constraints/gpu.txt -e \".[vllm,lora]\"; on a CPU bash scripts/vllm_env.sh --vllm 0.32.0), "
                             f"or set rollout.backend=hf"]
     else:

@@ -119,9 +119,9 @@ def checkpoint_config(path: str, position_code: bool = False) -> tuple[dict | No
 
 def checkpoint_problems(cfg, path: str | None = None, label: str = "model.path") -> list[str]:
     """What the config.json of `path` (default `model.path`; `label` names it) rules out: a model family vagen
-    does not know,
-    or, with `rollout.backend=vllm`, vagen's image hooks, or Qwen3.5 with a vLLM older than `QWEN3_5_VLLM`. Nothing is checked when the checkpoint is not on
-    this machine (`python -m vagen.config --ranks N` checks a recipe where its checkpoint is not)."""
+    does not know, or, with `rollout.backend=vllm`, vagen's image hooks, or Qwen3.5 with a vLLM older than
+    `QWEN3_5_VLLM`. Nothing is checked when the checkpoint is not on this machine (`python -m vagen.config
+    --ranks N` checks a recipe where its checkpoint is not)."""
     path = cfg.model.path if path is None else path
     config, source = checkpoint_config(path, cfg.model.builtin_position_code)
     if config is None:
@@ -138,9 +138,9 @@ def checkpoint_problems(cfg, path: str | None = None, label: str = "model.path")
     release = vllm_release() if cfg.rollout.backend == "vllm" and model_type in FAMILY_MODEL_TYPES["qwen3_5"] else None
     if release is not None and _numbers(release) < _numbers(QWEN3_5_VLLM):
         problems.append(f"rollout.backend=vllm with Qwen3.5 ({label}={path}) needs vLLM {QWEN3_5_VLLM} or later, but "
-                        f"vLLM {release} is installed: its CPU kernel of Qwen3.5's linear-attention layers fails "
-                        f"(chunk_gated_delta_rule_cpu: \"Input tensor dtype mismatch\") and it has not run Qwen3.5 "
-                        f"on a GPU. Install the pinned set, vLLM 0.32.0 ({GPU_INSTALL}; on a CPU bash "
+                        f"vLLM {release} is installed (0.26.0's CPU kernel of Qwen3.5's linear-attention layers "
+                        f"fails: chunk_gated_delta_rule_cpu, \"Input tensor dtype mismatch\"; no release before 0.32 "
+                        f"has run Qwen3.5 in vagen's tests). Install the pinned set, vLLM 0.32.0 ({GPU_INSTALL}; on a CPU bash "
                         f"scripts/vllm_env.sh --vllm 0.32.0), or set rollout.backend=hf")
     hooks = [key for key in IMAGE_HOOK_KEYS if config.get(key)]
     if cfg.rollout.backend == "vllm" and hooks:
