@@ -86,8 +86,6 @@ def checkpoint_gb(cfg) -> float | None:
     """About how many GB one checkpoint of `cfg` takes (docs/training.md, "How large a checkpoint is"): per
     trained model 16 bytes a trained parameter (14 under ZeRO-3): its weights, DeepSpeed's fp32 master and AdamW
     moments; the actor, and the critic of a gae/turn_gae run. None when the parameters cannot be counted."""
-    import json
-
     from vagen.config import CONFIGS_DIR
     from vagen.memory import is_vision, lora_parameters, model_tensors
 
