@@ -13,7 +13,15 @@ import pytest
 from PIL import Image
 
 import envs_visual
-from vagen.api_policy import APIError, APISettings, ChatClient, ModelError, chat_messages, cut_reply, load_encoder
+from vagen.api_policy import (
+    APIError,
+    APISettings,
+    ChatClient,
+    ModelError,
+    chat_messages,
+    cut_reply,
+    load_encoder,
+)
 from vagen.config import load_config
 from vagen.decoding import request_seed, turn_seed
 from vagen.eval import main, parse_seeds
