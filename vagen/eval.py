@@ -153,6 +153,7 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
     of ranks plays the same episodes, and the caller's random state is left as it was. With `desc`,
     a progress bar of that name counts this rank's episodes as they end. `decoder`: the engine to decode
     with (default: `rollout.backend` over `model`)."""
+    from vagen.api_policy import APIDecoder
     from vagen.browse import episode_data, write_browser
     from vagen.console import progress_bar
     from vagen.decoding import own_draws
@@ -162,7 +163,7 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     explicit = seeds is not None
     seeds = list(seeds) if explicit else eval_seeds(episodes)
-    served = hasattr(decoder, "settings")  # a served model: episodes may end as model errors
+    served = isinstance(decoder, APIDecoder)  # a served model: episodes may end as model errors
     mine = seeds[rank::world]
     envs = [make_env(cfg.env) for _ in mine]
     video_seeds = set(seeds[:videos])
