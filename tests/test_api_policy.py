@@ -136,7 +136,7 @@ def test_a_429_is_retried_after_the_servers_retry_after():
     assert waited >= 0.6  # Retry-After, not the 0.01 s backoff
 
 
-def test_5xx_are_retried_with_backoff_and_a_400_fails_at_once_with_the_servers_message():
+def test_5xx_are_retried_with_backoff_and_a_400_fails_at_once_with_the_servers_message(tmp_path, capsys):
     answers = [(500, {}, "boom"), (502, {}, "bad gateway"), (200, {}, completion(REPLY))]
     with Server(lambda body, n: answers[n]) as server:
         client = ChatClient(settings(server.url))
@@ -147,6 +147,10 @@ def test_5xx_are_retried_with_backoff_and_a_400_fails_at_once_with_the_servers_m
         with pytest.raises(APIError, match="answered .* with 400: .*model 'tiny' does not exist"):
             client.complete({"model": "tiny"})
         assert len(server.requests) == 1 and client.retries == 0
+        # in an evaluation: it stops at the first such answer, exit 2 with the server's message
+        assert main(["--config", "sokoban_text", "--policy", "openai", "--base-url", server.url, "--model", "tiny",
+                     "--episodes", "2", "--out", str(tmp_path), "rollout.max_turns=1"]) == 2
+        assert "with 400: " in capsys.readouterr().err and not (tmp_path / "results.json").exists()
     with Server(lambda body, n: (503, {}, "overloaded")) as server:
         client = ChatClient(settings(server.url, max_retries=3))
         with pytest.raises(ModelError, match="4 tries .* failed; the last: 503: overloaded"):
