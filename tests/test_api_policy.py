@@ -21,9 +21,10 @@ from vagen.api_policy import (
     chat_messages,
     cut_reply,
     load_encoder,
+    request_body,
 )
 from vagen.config import load_config
-from vagen.decoding import request_seed, turn_seed
+from vagen.decoding import Sampling, request_seed, turn_seed
 from vagen.eval import main, parse_seeds
 
 REPLY = "<think>the box is right of me</think><answer>Right</answer>"
@@ -184,7 +185,7 @@ def test_an_episode_whose_requests_never_succeed_is_a_model_error_not_a_failure(
     assert sum(body["seed"] == failing for body in server.requests) == 2  # one retry
     assert "1 more episode(s) ended as model errors" in (tmp_path / "eval" / "results.md").read_text()
     assert result["policy"] == {"kind": "openai", "base_url": server.url, "model": "tiny", "api_key_env": "TINY_KEY",
-                                "max_concurrency": 8, "max_retries": 1}
+                                "max_concurrency": 8, "max_retries": 1, "token_param": "max_tokens", "omit": []}
     assert "sk-not-to-be-written" not in "".join(p.read_text() for p in (tmp_path / "eval").rglob("*.*")
                                                   if p.suffix in (".json", ".md", ".html", ".jsonl"))
 
@@ -234,3 +235,20 @@ def test_seed_lists_and_refused_arguments(tmp_path, capsys):
     assert "--policy openai needs --config NAME" in capsys.readouterr().err
     assert main(["--config", "sokoban_visual"]) == 2
     assert "--checkpoint is required" in capsys.readouterr().err
+    assert main(["--config", "sokoban_visual", "--policy", "openai", "--base-url", "http://127.0.0.1:1/v1",
+                 "--model", "m", "--omit", "seed,stop", "--token-param", "max_new"]) == 2
+    err = capsys.readouterr().err
+    assert "--omit stop: only seed, temperature, top_p" in err and "--token-param 'max_new'; choices" in err
+
+
+def test_requests_carry_the_checkpoints_sampling_and_leave_out_what_the_server_refuses():
+    messages = [{"role": "user", "content": "hi"}]
+    greedy = Sampling(64, 0.7, 0.9, 0, do_sample=False, seed=5)
+    sampled = Sampling(64, 0.7, 0.9, 0, do_sample=True, seed=5)
+    assert request_body(settings("http://x"), messages, greedy, 11) == {
+        "model": "tiny", "messages": messages, "max_tokens": 64, "seed": 11, "temperature": 0.0}
+    reasoning = settings("http://x", token_param="max_completion_tokens", omit=("seed", "temperature", "top_p"))
+    assert request_body(reasoning, messages, sampled, 11) == {"model": "tiny", "messages": messages,
+                                                              "max_completion_tokens": 64}
+    assert request_body(settings("http://x", omit=("seed",)), messages, sampled, 11) == {
+        "model": "tiny", "messages": messages, "max_tokens": 64, "temperature": 0.7, "top_p": 0.9}

@@ -40,7 +40,8 @@ from envs_visual.base import IMAGE_PLACEHOLDER
 from vagen.decoding import STOP_STRING, Generated, Sampling, request_seed
 from vagen.episode import ChatEncoder, Episode
 
-RETRIED_STATUS = (429, 500, 502, 503, 504)  # and any other 5xx
+TOKEN_PARAMS = ("max_tokens", "max_completion_tokens")
+OMITTABLE = ("seed", "temperature", "top_p")
 
 
 class APIError(RuntimeError):
@@ -65,11 +66,14 @@ class APISettings:
     max_backoff: float = 8.0
     max_retry_after: float = 120.0  # a longer Retry-After is waited this long at most
     timeout_s: float = 120.0
+    token_param: str = "max_tokens"  # max_completion_tokens for OpenAI's reasoning models
+    omit: tuple[str, ...] = ()  # request fields a server refuses, left out: of seed, temperature, top_p
 
     def describe(self) -> dict:
         """What results.json records of the policy: everything but the key."""
         return {"kind": "openai", "base_url": self.base_url, "model": self.model, "api_key_env": self.api_key_env,
-                "max_concurrency": self.max_concurrency, "max_retries": self.max_retries}
+                "max_concurrency": self.max_concurrency, "max_retries": self.max_retries,
+                "token_param": self.token_param, "omit": list(self.omit)}
 
 
 def check_settings(settings: APISettings) -> list[str]:
@@ -84,6 +88,11 @@ def check_settings(settings: APISettings) -> list[str]:
     if settings.api_key_env and not os.environ.get(settings.api_key_env):
         problems.append(f"--api-key-env {settings.api_key_env}: the environment variable {settings.api_key_env} is "
                         f"not set or empty; export it with the key (keys never go in configs or on the command line)")
+    if settings.token_param not in TOKEN_PARAMS:
+        problems.append(f"--token-param {settings.token_param!r}; choices: {', '.join(TOKEN_PARAMS)}")
+    unknown = sorted(set(settings.omit) - set(OMITTABLE))
+    if unknown:
+        problems.append(f"--omit {','.join(unknown)}: only {', '.join(OMITTABLE)} can be left out of a request")
     if settings.max_concurrency < 1 or settings.max_retries < 0:
         problems.append(f"--max-concurrency {settings.max_concurrency} and --max-retries {settings.max_retries}: "
                         f"expected at least 1 request at once and 0 or more retries")
@@ -210,12 +219,14 @@ class ChatClient:
 
 
 def request_body(settings: APISettings, messages: list[dict], sampling: Sampling, seed: int) -> dict:
-    body = {"model": settings.model, "messages": messages, "max_tokens": sampling.max_new_tokens, "seed": seed}
+    """The chat completion request of one turn: greedy is temperature 0; `settings.omit` fields left out."""
+    body = {"model": settings.model, "messages": messages, settings.token_param: sampling.max_new_tokens,
+            "seed": seed}
     if sampling.do_sample:
         body.update(temperature=sampling.temperature, top_p=sampling.top_p)
     else:
         body.update(temperature=0.0)
-    return body
+    return {key: value for key, value in body.items() if key not in settings.omit}
 
 
 def reply_text(answer: dict) -> str:

@@ -479,6 +479,12 @@ def main(argv=None) -> int:
     parser.add_argument("--max-retries", type=int, default=6,
                         help="--policy openai: retries of a request after 429, 5xx, a timeout or a lost connection")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="--policy openai: seconds per request")
+    parser.add_argument("--token-param", default="max_tokens",
+                        help="--policy openai: the request field of rollout.max_new_tokens: max_tokens, or "
+                             "max_completion_tokens (OpenAI's reasoning models)")
+    parser.add_argument("--omit", default="",
+                        help="--policy openai: request fields the server refuses, left out (comma list of seed, "
+                             "temperature, top_p)")
     parser.add_argument("--seeds", default=None,
                         help="the level seeds to play instead of --episodes held-out ones: a list (0,1,2) or a file "
                              "listing them")
@@ -587,7 +593,8 @@ def evaluate_served(args, seeds: list[int] | None) -> int:
     from vagen.api_policy import APIDecoder, APIError, APISettings, check_settings, load_encoder
 
     settings = APISettings(args.base_url, args.model, args.api_key_env, args.max_concurrency, args.max_retries,
-                           timeout_s=args.request_timeout)
+                           timeout_s=args.request_timeout, token_param=args.token_param,
+                           omit=tuple(name for name in args.omit.split(",") if name))
     problems = check_settings(settings)
     if importlib.util.find_spec("httpx") is None:
         problems.append("--policy openai sends its requests with httpx, which is not installed; "
