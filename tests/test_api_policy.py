@@ -209,6 +209,10 @@ def test_the_same_seeds_play_the_same_episodes_with_at_most_max_concurrency_requ
     assert first["episodes"] == second["episodes"] and first["model"] == second["model"]
     assert first["model"]["episodes"] == 5 and first["model"]["model_errors"] == 0
     assert [r["seed"] for r in first["episodes"]] == list(range(1_000_000_000, 1_000_000_005))
+    # results.json keeps each reply uncut, as the server gave it
+    assert all(reply["text"].endswith("</answer> and more words") and reply["finish_reason"] == "stop"
+               for r in first["episodes"] for reply in r["replies"])
+    assert [len(r["replies"]) for r in first["episodes"]] == [r["turns"] for r in first["episodes"]]
     bodies = [json.loads(b) for b in sent]
     assert {(b["temperature"], b["max_tokens"], b["model"]) for b in bodies} == {(0.0, 64, "tiny")}
     # a second turn carries the first reply cut after </answer>, as the environment received it

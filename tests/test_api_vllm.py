@@ -132,7 +132,7 @@ def test_a_served_checkpoint_plays_the_episodes_of_its_own_vllm_evaluation(serve
                           cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     own_result = json.loads((own / "results.json").read_text())
-    assert [{k: v for k, v in r.items() if k not in ("model_error", "env_error")} for r in served_result["episodes"]] \
+    assert [{k: v for k, v in r.items() if k not in ("model_error", "env_error", "replies")} for r in served_result["episodes"]] \
         == own_result["episodes"]
     assert {k: v for k, v in model.items() if k != "model_errors"} == own_result["model"]
     assert browsed_responses(api) == browsed_responses(own)

@@ -229,10 +229,12 @@ def request_body(settings: APISettings, messages: list[dict], sampling: Sampling
     return {key: value for key, value in body.items() if key not in settings.omit}
 
 
-def reply_text(answer: dict) -> str:
-    """The text of the first choice of a chat completion (an empty reply where the server gave none)."""
+def reply_text(answer: dict) -> tuple[str, str | None]:
+    """The text of the first choice of a chat completion (empty where the server gave none) and its
+    `finish_reason` (`length`: cut at the token budget)."""
     try:
-        return answer["choices"][0]["message"].get("content") or ""
+        choice = answer["choices"][0]
+        return choice["message"].get("content") or "", choice.get("finish_reason")
     except (KeyError, IndexError, TypeError, AttributeError) as err:
         raise ModelError(f"the server's answer has no choices[0].message ({err!r}): {str(answer)[:300]}") from None
 
@@ -248,6 +250,7 @@ class APIDecoder:
         self.settings, self.encoder, self.context, self.window_turns = settings, encoder, context, window_turns
         self.client = client or ChatClient(settings)
         self.model_errors = 0
+        self.replies: dict[int, list[dict]] = {}  # id of an episode -> each turn's reply as the server gave it
 
     def close(self) -> None:
         self.client.close()
@@ -265,9 +268,15 @@ class APIDecoder:
         return chat_messages(episode.system_prompt, observations, [t.response for t in episode.turns], self.context,
                              self.window_turns, resize)
 
-    def ask(self, messages: list[dict], sampling: Sampling, row: int) -> Generated:
+    def ask(self, messages: list[dict], sampling: Sampling, row: int) -> tuple[Generated, dict]:
+        """The reply's ids (its text cut after `</answer>`) and the reply as the server gave it."""
         answer = self.client.complete(request_body(self.settings, messages, sampling, request_seed(sampling.seed, row)))
-        return Generated(self.encoder.encode_text(cut_reply(reply_text(answer))))
+        text, finish_reason = reply_text(answer)
+        return Generated(self.encoder.encode_text(cut_reply(text))), {"text": text, "finish_reason": finish_reason}
+
+    def replies_of(self, episode: Episode) -> list[dict]:
+        """`episode`'s replies as the server gave them (uncut), with each one's `finish_reason`."""
+        return self.replies.get(id(episode), [])
 
     def generate(self, episodes: list[Episode], rows: list[int], sampling: Sampling) -> list[Generated]:
         raise NotImplementedError("APIDecoder plays whole games (play); it has no per-turn generate, as it needs "
@@ -300,13 +309,14 @@ class APIDecoder:
                     for future in sorted(done, key=lambda f: pending[f]):
                         row = pending.pop(future)
                         try:
-                            generated = future.result()
+                            generated, reply = future.result()
                         except ModelError as err:
                             episode = game.episodes[row]
                             episode.model_error = f"turn {len(episode.turns)}: {err}"
                             episode.done = True
                             self.model_errors += 1
                             continue
+                        self.replies.setdefault(id(game.episodes[row]), []).append(reply)
                         game.respond(row, generated)
             finally:
                 for future in pending:

@@ -186,6 +186,7 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
         for record, ep in zip(records, played):
             record["model_error"] = ep.model_error
             record["env_error"] = ep.error
+            record["replies"] = decoder.replies_of(ep)  # uncut, with finish_reason ("length": the budget cut it)
     references = {}
     if with_baselines:
         for policy in REFERENCE_POLICIES:
