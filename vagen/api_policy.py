@@ -288,39 +288,39 @@ class APIDecoder:
         request failed on every try ends there (`Episode.model_error`); an `APIError` stops the loop (requests
         not yet sent are dropped)."""
         pending: dict[Future, int] = {}
-        with ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="api") as pool:
-            try:
-                while True:
-                    # with requests out, environment answers are taken as they come; else they are all there is
-                    game.take_answers(block=not pending)
-                    game.ended.count()
-                    for row in game.ready:
-                        sampling, seed_row = game.request(row)
-                        messages = self.messages(game.episodes[row], game.observations[row])
-                        pending[pool.submit(self.ask, messages, sampling, seed_row)] = row
-                    game.ready.clear()
-                    if not pending:
-                        if game.finished():
-                            game.ended.count()
-                            return
+        pool = ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="api")
+        try:
+            while True:
+                # with requests out, environment answers are taken as they come; else they are all there is
+                game.take_answers(block=not pending)
+                game.ended.count()
+                for row in game.ready:
+                    sampling, seed_row = game.request(row)
+                    messages = self.messages(game.episodes[row], game.observations[row])
+                    pending[pool.submit(self.ask, messages, sampling, seed_row)] = row
+                game.ready.clear()
+                if not pending:
+                    if game.finished():
+                        game.ended.count()
+                        return
+                    continue
+                done, _ = wait(list(pending), timeout=0.05 if game.pool.busy() else None, return_when=FIRST_COMPLETED)
+                for future in sorted(done, key=lambda f: pending[f]):
+                    row = pending.pop(future)
+                    try:
+                        generated, reply = future.result()
+                    except ModelError as err:
+                        episode = game.episodes[row]
+                        episode.model_error = f"turn {len(episode.turns)}: {err}"
+                        episode.done = True
+                        self.model_errors += 1
                         continue
-                    done, _ = wait(list(pending), timeout=0.05 if game.pool.busy() else None,
-                                   return_when=FIRST_COMPLETED)
-                    for future in sorted(done, key=lambda f: pending[f]):
-                        row = pending.pop(future)
-                        try:
-                            generated, reply = future.result()
-                        except ModelError as err:
-                            episode = game.episodes[row]
-                            episode.model_error = f"turn {len(episode.turns)}: {err}"
-                            episode.done = True
-                            self.model_errors += 1
-                            continue
-                        self.replies.setdefault(id(game.episodes[row]), []).append(reply)
-                        game.respond(row, generated)
-            finally:
-                for future in pending:
-                    future.cancel()
+                    self.replies.setdefault(id(game.episodes[row]), []).append(reply)
+                    game.respond(row, generated)
+        finally:
+            # after an APIError the requests not yet sent are dropped, and those running are not waited for (the
+            # caller closes the client under them)
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def load_encoder(cfg) -> ChatEncoder:
