@@ -52,7 +52,7 @@ def episode_data(episodes) -> list[dict]:
                           "grades": grades})
         out.append({"seed": int(ep.seed), "env": ep.env_name, "success": bool(ep.success),
                     "return": float(sum(t["reward"] for t in turns)), "turns": turns,
-                    "error": getattr(ep, "error", None), "system_prompt": ep.system_prompt})
+                    "error": getattr(ep, "error", None) or getattr(ep, "model_error", None), "system_prompt": ep.system_prompt})
     return out
 
 

@@ -115,6 +115,8 @@ class Episode:
     initial_observation: Any = None
     initial_state_key: Any = None  # the environment's `info["state_key"]` after `reset`
     error: str | None = None  # the environment raised: its exception in one line; the episode ended there
+    # A served model's request failed on every try (`vagen.api_policy`): the episode ended there, unscored
+    model_error: str | None = None
     segments: list[Segment] = field(default_factory=list)  # rollout.context=window: every observation so far
     # This rank's number of the episode's group, counted over the run in admission order (rollout.max_staleness)
     admission: int = 0

@@ -6,6 +6,8 @@
 
     python -m vagen.eval --config sokoban_visual --checkpoint assets:sokoban_visual   (a shipped warm start)
     python -m vagen.eval --checkpoint runs/<run> --task frozenlake_visual   (one task of a run over several)
+    python -m vagen.eval --config sokoban_visual --policy openai --base-url http://127.0.0.1:8000/v1 \
+        --model NAME [--api-key-env OPENAI_API_KEY] [--seeds 0,1,2 | --seeds FILE]   (a served or API model)
 
 A checkpoint inside a run directory is evaluated with the run's own config (`runs/<run>/config.yaml`:
 its tokens per turn, turns, dtype, environment), the settings it was trained with. `--config` replaces
@@ -15,8 +17,13 @@ a Hugging Face checkpoint directory) needs `--config`.
 Writes `results.json` and a Markdown table `results.md` into the output directory (default:
 `<checkpoint>/eval`, for a shipped warm start `<train.run_dir>/eval/NAME`), and episode videos
 (mp4 + GIF) under `videos/`, and the episode browser `index.html` with its `frames/` (vagen.browse).
-Seeds are the evaluation seeds (>= 1e9), disjoint from every training seed. Decoding is greedy unless
-`eval.do_sample=true`.
+Seeds are the evaluation seeds (>= 1e9), disjoint from every training seed, unless `--seeds` lists the
+levels (to play the episode set of another evaluation). Decoding is greedy unless `eval.do_sample=true`.
+
+`--policy openai` evaluates a model behind an OpenAI-compatible chat API instead of a checkpoint
+(`vagen.api_policy`: messages, retries, model errors), on the config's environment and with its turns,
+tokens per turn and frame sizes (the processor of the config's `model.path`); output default
+`<train.run_dir>/eval/openai-MODEL`.
 """
 
 from __future__ import annotations
@@ -45,7 +52,12 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 
 def summarize(records: list[dict]) -> dict:
-    """Success rate with its 95% interval, mean return, turns, actions, format and validity rates."""
+    """Success rate with its 95% interval, mean return, turns, actions, format and validity rates. Records of a
+    served model (`--policy openai`) carry `model_error`: episodes whose request failed on every try are left out
+    of every rate (`episodes` counts the others) and counted in `model_errors`."""
+    served = any("model_error" in r for r in records)
+    errors = [r for r in records if r.get("model_error")]
+    records = [r for r in records if not r.get("model_error")]
     n = len(records)
 
     def mean(key):
@@ -66,6 +78,7 @@ def summarize(records: list[dict]) -> dict:
         # grades of the agent's <observation> / <prediction> against the true state (structured formats)
         "grounding_score": mean("grounding_score"),
         "worldmodel_score": mean("worldmodel_score"),
+        **({"model_errors": len(errors)} if served else {}),
     }
 
 
@@ -132,13 +145,15 @@ def _gather(items: list, dist) -> list:
 
 
 def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0, dist=None,
-             with_baselines: bool = True, desc: str | None = None, decoder=None) -> dict:
-    """Play `episodes` held-out episodes (split across ranks), write results and videos, return
-    the model's summary (and the reference rows under "reference"). A sampled evaluation
+             with_baselines: bool = True, desc: str | None = None, decoder=None, seeds: list[int] | None = None) -> dict:
+    """Play `episodes` held-out episodes (split across ranks), or the levels `seeds` when given, write results
+    and videos, return the model's summary (and the reference rows under "reference"). `model` None: the
+    decoder plays without one (a served model, `vagen.api_policy.APIDecoder`). A sampled evaluation
     (`eval.do_sample`) draws from `eval.sample_seed` + rank: the same checkpoint on the same number
     of ranks plays the same episodes, and the caller's random state is left as it was. With `desc`,
     a progress bar of that name counts this rank's episodes as they end. `decoder`: the engine to decode
     with (default: `rollout.backend` over `model`)."""
+    from vagen.api_policy import APIDecoder
     from vagen.browse import episode_data, write_browser
     from vagen.console import progress_bar
     from vagen.decoding import own_draws
@@ -146,23 +161,32 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
     from vagen.rollout import make_env, rollout
 
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
-    seeds = eval_seeds(episodes)
+    explicit = seeds is not None
+    seeds = list(seeds) if explicit else eval_seeds(episodes)
+    served = isinstance(decoder, APIDecoder)  # a served model: episodes may end as model errors
     mine = seeds[rank::world]
     envs = [make_env(cfg.env) for _ in mine]
     video_seeds = set(seeds[:videos])
     for env, seed in zip(envs, mine):
         env.record_frames = seed in video_seeds
-    was_training = model.training
-    model.eval()
+    was_training = model is not None and model.training
+    if model is not None:
+        model.eval()
     bar = progress_bar(len(mine), desc, "episode")
     with own_draws(cfg.eval.sample_seed + rank, dist.device if dist is not None else None):
         played, _ = rollout(model, encoder, cfg, mine, group_size=1, do_sample=cfg.eval.do_sample, envs=envs,
                             progress=bar, decoder=decoder, sample_seed=cfg.eval.sample_seed + rank)
     if bar is not None:
         bar.close()
-    model.train(was_training)
+    if model is not None:
+        model.train(was_training)
     records = [episode_record(ep.seed, [{"reward": t.reward, "info": t.info, "length": t.response_length}
                                         for t in ep.turns], ep.success) for ep in played]
+    if served:
+        for record, ep in zip(records, played):
+            record["model_error"] = ep.model_error
+            record["env_error"] = ep.error
+            record["replies"] = decoder.replies_of(ep)  # uncut, with finish_reason ("length": the budget cut it)
     references = {}
     if with_baselines:
         for policy in REFERENCE_POLICIES:
@@ -187,6 +211,10 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
         result = {"env": cfg.env.name, "config": cfg.name, "seeds": [seeds[0], seeds[-1]],
                   "do_sample": cfg.eval.do_sample, "model": summary, "reference": reference_rows,
                   "episodes": records}
+        if explicit:
+            result["seed_list"] = seeds
+        if served:
+            result["policy"] = decoder.settings.describe()
         (out_dir / "results.json").write_text(json.dumps(result, indent=2))
         (out_dir / "results.md").write_text(results_table(cfg.env.name, summary, reference_rows))
         write_browser(out_dir, cfg, browsed)
@@ -197,22 +225,22 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
 
 def evaluate_tasks(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0, dist=None,
                    with_baselines: bool = True, desc: str | None = None, decoder=None,
-                   tasks: list[str] | None = None) -> dict:
+                   tasks: list[str] | None = None, seeds: list[int] | None = None) -> dict:
     """`evaluate` on each task of rollout.tasks (`tasks`: those named, default all), each on `episodes` of its own
     held-out levels under its own environment config, into `out_dir/<task>` (results, videos and episode browser
     of its own); `out_dir/results.md` and `results.json` hold every task's row. Returns the summary with each
     task's numbers under `<task>/...` and, over all its tasks' episodes, success, return and format_ok. A run of
-    one environment: `evaluate` itself."""
+    one environment: `evaluate` itself. `seeds`: the levels every task plays instead of its held-out ones."""
     from vagen.config import task_configs
 
     if not cfg.rollout.tasks:
-        return evaluate(model, encoder, cfg, episodes, out_dir, videos, dist, with_baselines, desc, decoder)
+        return evaluate(model, encoder, cfg, episodes, out_dir, videos, dist, with_baselines, desc, decoder, seeds)
     out_dir, summary, rows = Path(out_dir), {"videos": 0}, {}
     for name, sub in task_configs(cfg):
         if tasks and name not in tasks:
             continue
         part = evaluate(model, encoder, sub, episodes, out_dir / name, videos, dist, with_baselines,
-                        f"{desc} {name}" if desc else None, decoder)
+                        f"{desc} {name}" if desc else None, decoder, seeds)
         rows[name] = part
         summary["videos"] += part.pop("videos")
         summary.update({f"{name}/{key}": value for key, value in part.items()})
@@ -248,7 +276,11 @@ def results_table(env_name: str, model: dict, references: dict) -> str:
                 f"{fmt(s['response_length'], 1)} |\n")
 
     body = row("model", model) + "".join(row(name, s) for name, s in references.items())
-    return f"### {env_name}\n\n{header}{body}"
+    errors = ""
+    if model.get("model_errors"):
+        errors = (f"\n{model['model_errors']} more episode(s) ended as model errors (the served model's requests "
+                  f"failed on every try): left out of the model's row; results.json names them.\n")
+    return f"### {env_name}\n\n{header}{body}{errors}"
 
 
 def think_with_scores(info: dict) -> str:
@@ -397,6 +429,26 @@ def check_tasks(cfg, names: list[str] | None) -> None:
                               f"{', '.join(choices)}")
 
 
+def parse_seeds(value: str) -> list[int]:
+    """`--seeds`: level seeds as a comma (or space) separated list, or the path of a file holding one (a JSON
+    list, or seeds separated by commas, spaces or lines)."""
+    text = Path(value).read_text() if Path(value).is_file() else value
+    tokens = text.replace("[", " ").replace("]", " ").replace(",", " ").split()
+    seeds = []
+    for token in tokens:
+        try:
+            seeds.append(int(token))
+        except ValueError:
+            raise ValueError(f"--seeds {value!r}: {token!r} is not an integer seed; expected e.g. --seeds 0,1,2 or "
+                             f"the path of a file listing seeds") from None
+    if not seeds:
+        raise ValueError(f"--seeds {value!r} lists no seed; expected e.g. --seeds 0,1,2 or a file listing seeds")
+    repeated = sorted({seed for seed in seeds if seeds.count(seed) > 1})
+    if repeated:
+        raise ValueError(f"--seeds lists {repeated} more than once; each level is one episode (results are by seed)")
+    return seeds
+
+
 def _suggested_config(checkpoint: Path) -> str:
     """The config a shipped warm start's card names, else a config name to show as an example."""
     card = checkpoint / "card.json"
@@ -412,8 +464,31 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=None, action="append",
                         help="config name or YAML path, several (repeated, or a comma list) applied in order; default "
                              "for a checkpoint inside a run directory: the run's own config.yaml (required otherwise)")
-    parser.add_argument("--checkpoint", required=True,
-                        help="run dir, checkpoints/step_N, a shipped warm start assets:NAME, or a HF checkpoint dir")
+    parser.add_argument("--checkpoint", default=None,
+                        help="run dir, checkpoints/step_N, a shipped warm start assets:NAME, or a HF checkpoint dir "
+                             "(--policy checkpoint)")
+    parser.add_argument("--policy", choices=("checkpoint", "openai"), default="checkpoint",
+                        help="checkpoint: decode --checkpoint here; openai: a model behind an OpenAI-compatible chat "
+                             "API (--base-url, --model)")
+    parser.add_argument("--base-url", default=None, help="--policy openai: the API's root, e.g. "
+                                                          "http://127.0.0.1:8000/v1")
+    parser.add_argument("--model", default=None, help="--policy openai: the model's name on the server")
+    parser.add_argument("--api-key-env", default=None,
+                        help="--policy openai: the environment variable holding the API key (sent as a bearer "
+                             "token; never printed or written); default: no key")
+    parser.add_argument("--max-concurrency", type=int, default=8, help="--policy openai: requests at once at most")
+    parser.add_argument("--max-retries", type=int, default=6,
+                        help="--policy openai: retries of a request after 429, 5xx, a timeout or a lost connection")
+    parser.add_argument("--request-timeout", type=float, default=120.0, help="--policy openai: seconds per request")
+    parser.add_argument("--token-param", default="max_tokens",
+                        help="--policy openai: the request field of rollout.max_new_tokens: max_tokens, or "
+                             "max_completion_tokens (OpenAI's reasoning models)")
+    parser.add_argument("--omit", default="",
+                        help="--policy openai: request fields the server refuses, left out (comma list of seed, "
+                             "temperature, top_p)")
+    parser.add_argument("--seeds", default=None,
+                        help="the level seeds to play instead of --episodes held-out ones: a list (0,1,2) or a file "
+                             "listing them")
     parser.add_argument("--episodes", type=int, default=None, help="held-out episodes (default eval.episodes)")
     parser.add_argument("--videos", type=int, default=None, help="episode videos (default eval.videos)")
     parser.add_argument("--out", default=None, help="output directory (default <checkpoint>/eval; for assets:NAME "
@@ -426,6 +501,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from vagen.config import ConfigError
 
+    try:
+        seeds = parse_seeds(args.seeds) if args.seeds is not None else None
+    except (ValueError, OSError) as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    if args.policy == "openai":
+        return evaluate_served(args, seeds)
+    if args.checkpoint is None:
+        print("config error: --checkpoint is required with --policy checkpoint (the default); pass a run directory, "
+              "a checkpoint or assets:NAME, or --policy openai --base-url URL --model NAME for a served model",
+              file=sys.stderr)
+        return 2
     checkpoint = resolve_checkpoint(args.checkpoint)
     try:
         cfg, source, warning = choose_config(args.config, args.checkpoint, checkpoint, args.overrides)
@@ -457,12 +544,14 @@ def main(argv=None) -> int:
     else:
         out = checkpoint.parent / "eval"
     episodes = args.episodes if args.episodes is not None else cfg.eval.episodes
+    episodes = len(seeds) if seeds is not None else episodes
     videos = args.videos if args.videos is not None else cfg.eval.videos
     if rank == 0:
         if warning:
             print(warning, file=sys.stderr, flush=True)
         what = ", ".join(args.task or [t.name for t in cfg.rollout.tasks]) or cfg.env.name
-        print(f"evaluating {checkpoint} on {episodes} held-out {what} episodes{' per task' if cfg.rollout.tasks else ''} "
+        print(f"evaluating {checkpoint} on {episodes} {'listed' if seeds else 'held-out'} {what} episodes"
+              f"{' per task' if cfg.rollout.tasks else ''} "
               f"(config {cfg.name}: {source})", flush=True)
     encoder = ChatEncoder(processor)
     decoder = None
@@ -474,13 +563,66 @@ def main(argv=None) -> int:
                               trajectory_length=cfg.rollout.max_trajectory_length, **settings_from(cfg))
     try:
         summary = evaluate_tasks(model, encoder, cfg, episodes, out, videos=videos, dist=dist,
-                                 desc="eval" if rank == 0 else None, decoder=decoder, tasks=args.task)
+                                 desc="eval" if rank == 0 else None, decoder=decoder, tasks=args.task, seeds=seeds)
     finally:
         if decoder is not None:
             decoder.close()
     if rank == 0:
         print((out / "results.md").read_text())
         print(f"results: {out / 'results.json'}  videos: {summary['videos']} (rank 0)")
+    return 0
+
+
+def evaluate_served(args, seeds: list[int] | None) -> int:
+    """`--policy openai`: the config's episodes played by the model at `--base-url` (`vagen.api_policy`), into the
+    same results, videos and browser as a checkpoint's; exit 2 on a config error or a request the server refused."""
+    from vagen.config import ConfigError, load_config
+
+    if args.config is None or args.base_url is None or args.model is None or args.checkpoint is not None:
+        print("config error: --policy openai needs --config NAME (the environment, turns and tokens per turn), "
+              "--base-url URL and --model NAME, and no --checkpoint (a checkpoint is evaluated with --policy "
+              "checkpoint)", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_tasks(cfg, args.task)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    import importlib.util
+
+    from vagen.api_policy import APIDecoder, APIError, APISettings, check_settings, load_encoder
+
+    settings = APISettings(args.base_url, args.model, args.api_key_env, args.max_concurrency, args.max_retries,
+                           timeout_s=args.request_timeout, token_param=args.token_param,
+                           omit=tuple(name for name in args.omit.split(",") if name))
+    problems = check_settings(settings)
+    if importlib.util.find_spec("httpx") is None:
+        problems.append("--policy openai sends its requests with httpx, which is not installed; "
+                        "pip install -e \".[http]\"")
+    if problems:
+        print("\n".join(f"config error: {problem}" for problem in problems), file=sys.stderr)
+        return 2
+    episodes = len(seeds) if seeds is not None else (args.episodes if args.episodes is not None else cfg.eval.episodes)
+    videos = args.videos if args.videos is not None else cfg.eval.videos
+    safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in args.model)
+    out = Path(args.out) if args.out else Path(cfg.train.run_dir) / "eval" / f"openai-{safe_name}"
+    what = ", ".join(args.task or [t.name for t in cfg.rollout.tasks]) or cfg.env.name
+    print(f"evaluating {args.model} at {args.base_url} on {episodes} {'listed' if seeds else 'held-out'} {what} "
+          f"episodes{' per task' if cfg.rollout.tasks else ''} (config {cfg.name})", flush=True)
+    encoder = load_encoder(cfg)
+    decoder = APIDecoder(settings, encoder, cfg.rollout.context, cfg.rollout.window_turns)
+    try:
+        summary = evaluate_tasks(None, encoder, cfg, episodes, out, videos=videos, desc="eval", decoder=decoder,
+                                 tasks=args.task, seeds=seeds)
+    except APIError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        decoder.close()
+    print((out / "results.md").read_text())
+    print(f"results: {out / 'results.json'}  videos: {summary['videos']}  model errors: {decoder.model_errors}  "
+          f"retried requests: {decoder.client.retries}")
     return 0
 
 
