@@ -377,3 +377,33 @@ def test_64_concurrent_sessions_on_one_server_and_503_past_max_sessions():
     assert all(len(answers) >= 2 and all(not isinstance(a, str) for a in answers) for answers in played.values())
     assert sum(len(answers) for answers in played.values()) > 64 * 2.5
     assert len({answers[0][1][0][2] for answers in played.values()}) > 10  # 64 levels, many of them different
+
+
+@pytest.mark.slow  # two server processes started: 20 s on the 2-core machine beside other jobs
+def test_killing_one_of_two_servers_mid_rollout_gives_the_uninterrupted_answers_with_the_replays_logged():
+    from http_servers import server_process
+
+    seeds = [3, 4, 5, 6]
+    ports = [free_port(), free_port()]
+    lines = []
+    with server_process("sokoban_visual", ports[0], "--workers", "1"), \
+            server_process("sokoban_visual", ports[1], "--workers", "1") as doomed:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        pool = client(urls, len(seeds), log=lines.append)
+        try:
+            for i, seed in enumerate(seeds):
+                pool.reset(i, seed)
+            collect(pool, len(seeds))
+            assert sorted(session.url for session in pool.sessions.values()) == sorted(urls * 2)  # balanced
+            expected = play(pool, seeds)
+
+            def kill(turn):
+                if turn == 1:
+                    doomed.kill()
+
+            assert play(pool, seeds, between=kill) == expected
+        finally:
+            pool.close()
+    on_doomed = [line for line in lines if f"on {urls[1]} was lost" in line]
+    assert pool.replayed == len(on_doomed) == len(lines) >= 1, lines
+    assert all(f"replayed in a new session on {urls[0]}" in line for line in on_doomed)

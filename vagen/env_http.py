@@ -58,6 +58,8 @@ BACKOFF = 0.25
 DOWN_FOR = 30.0
 # Replays of one request before its episode fails (a second server lost during the first replay, ...).
 MAX_RECOVERIES = 2
+# Seconds a session's close may take (best effort: a lost server's sessions are not waited for).
+CLOSE_TIMEOUT = 5.0
 
 
 class MultipartError(ValueError):
@@ -232,6 +234,7 @@ class HttpEnvWorkers:
                                    limits=httpx.Limits(max_connections=max(8, min(count, 256))))
         self.sessions: dict[int, _Session | None] = dict.fromkeys(range(count))
         self.down: dict[str, float] = {}
+        self.connecting = dict.fromkeys(self.urls, 0)  # sessions being opened, per server
         self.replayed = 0  # episodes rebuilt in a new session
         self.lock = threading.Lock()
         self.ready: queue.Queue[Answer] = queue.Queue()
@@ -361,6 +364,7 @@ class HttpEnvWorkers:
         except HttpError as err:
             return Answer(index, "reset", error=str(err))
         self.sessions[index] = session
+        self._opened(session.url)
         return Answer(index, "reset", (obs, info, system_prompt))
 
     def _step(self, index: int, text: str) -> Answer:
@@ -399,6 +403,16 @@ class HttpEnvWorkers:
         t0 = time.perf_counter()
         self._close_session(lost)
         session, (obs, _, _) = self._connect(lost.seed, avoid=lost.url)
+        try:
+            self._replay(index, lost, session, obs)
+        finally:
+            self._opened(session.url)
+        self.log(f"env http: environment {index}'s session on {lost.url} was lost ({why}); its episode (seed "
+                 f"{lost.seed}, {len(lost.texts)} steps) was replayed in a new session on {session.url} in "
+                 f"{time.perf_counter() - t0:.2f} s")
+        return session
+
+    def _replay(self, index: int, lost: _Session, session: _Session, obs) -> None:
         observed = [(obs.text, [image_digest(image) for image in obs.images])]
         if observed[0] != lost.observations[0]:
             self._close_session(session)
@@ -414,26 +428,29 @@ class HttpEnvWorkers:
         self.sessions[index] = session
         with self.lock:
             self.replayed += 1
-        self.log(f"env http: environment {index}'s session on {lost.url} was lost ({why}); its episode (seed "
-                 f"{lost.seed}, {len(lost.texts)} steps) was replayed in a new session on {session.url} in "
-                 f"{time.perf_counter() - t0:.2f} s")
-        return session
 
     # -- the protocol's requests --------------------------------------------------------------------------
 
     def _pick(self, avoid: str | None = None) -> str:
-        """The server for a new session: of those not refusing connections, the one holding the fewest of this
-        client's sessions (the first in env.urls on a tie); `avoid` only when it is the only one."""
+        """The server for a new session, counted as being opened there until `_opened`: of those not refusing
+        connections, the one holding (or opening) the fewest of this client's sessions (the first in env.urls on
+        a tie); `avoid` only when it is the only one."""
         now = time.monotonic()
         with self.lock:
-            held = {url: 0 for url in self.urls}
+            held = dict(self.connecting)
             for session in self.sessions.values():
                 if session is not None and session.url in held:
                     held[session.url] += 1
             up = [url for url in self.urls if self.down.get(url, 0.0) <= now]
-        candidates = [url for url in up if url != avoid] or up or [url for url in self.urls if url != avoid] \
-            or self.urls
-        return min(candidates, key=lambda url: (held[url], self.urls.index(url)))
+            candidates = [url for url in up if url != avoid] or up or [url for url in self.urls if url != avoid] \
+                or self.urls
+            url = min(candidates, key=lambda url: (held[url], self.urls.index(url)))
+            self.connecting[url] += 1
+        return url
+
+    def _opened(self, url: str) -> None:
+        with self.lock:
+            self.connecting[url] -= 1
 
     def _connect(self, seed: int, avoid: str | None = None) -> tuple[_Session, tuple]:
         """A new session reset to `seed` on a server `_pick` chooses (another one where that one is gone):
@@ -445,27 +462,36 @@ class HttpEnvWorkers:
                 data, images = self._post(url, "/connect", {"env_config": self.env_config, "seed": int(seed),
                                                             "client_request_id": uuid.uuid4().hex})
             except HttpError as err:
+                self._opened(url)
                 tried.append(f"{url}: {err}")
                 if err.ran:
                     raise
                 avoid = url
                 continue
-            if "session_id" not in data:
-                raise HttpError(f"HttpProtocolError: {url}/connect answered without a session_id: {str(data)[:200]}",
-                                ran=True)
-            session = _Session(url, str(data["session_id"]), int(seed))
-            obs = _observation(data, images, f"{url}/connect")
-            system_prompt = data.get("system_prompt")
-            if system_prompt is None:  # a VAGEN-Lite server: its own request
-                prompt, prompt_images = self._post(url, "/call", {"session_id": session.session_id,
-                                                                  "method": "system_prompt", "params": {}})
-                if prompt_images:
-                    raise HttpError(f"HttpProtocolError: {url}'s system prompt has {len(prompt_images)} images; vagen "
-                                    f"takes a text-only system prompt", ran=True)
-                system_prompt = prompt.get("obs", "")
-            session.observations.append((obs.text, [image_digest(image) for image in obs.images]))
-            return session, (obs, restore_info(data.get("info") or {}), str(system_prompt))
+            try:
+                return self._opening(url, seed, data, images)
+            except BaseException:
+                self._opened(url)
+                raise
         raise HttpError("HttpServersGone: no server of env.urls opened a session: " + "; ".join(tried), ran=None)
+
+    def _opening(self, url: str, seed: int, data: dict, images: list[bytes]) -> tuple[_Session, tuple]:
+        """`_connect`'s session from the server's answer (and its system prompt, where the answer has none)."""
+        if "session_id" not in data:
+            raise HttpError(f"HttpProtocolError: {url}/connect answered without a session_id: {str(data)[:200]}",
+                            ran=True)
+        session = _Session(url, str(data["session_id"]), int(seed))
+        obs = _observation(data, images, f"{url}/connect")
+        system_prompt = data.get("system_prompt")
+        if system_prompt is None:  # a VAGEN-Lite server: its own request
+            prompt, prompt_images = self._post(url, "/call", {"session_id": session.session_id,
+                                                              "method": "system_prompt", "params": {}})
+            if prompt_images:
+                raise HttpError(f"HttpProtocolError: {url}'s system prompt has {len(prompt_images)} images; vagen "
+                                f"takes a text-only system prompt", ran=True)
+            system_prompt = prompt.get("obs", "")
+        session.observations.append((obs.text, [image_digest(image) for image in obs.images]))
+        return session, (obs, restore_info(data.get("info") or {}), str(system_prompt))
 
     def _call_step(self, session: _Session, text: str) -> tuple:
         data, images = self._post(session.url, "/call", {"session_id": session.session_id, "method": "step",
@@ -481,11 +507,12 @@ class HttpEnvWorkers:
         """Best effort: a session that is gone already (reaped, its server lost) needs no closing."""
         try:
             self._post(session.url, "/call", {"session_id": session.session_id, "method": "close", "params": {}},
-                       retries=0)
+                       retries=0, timeout=CLOSE_TIMEOUT)
         except HttpError:
             pass
 
-    def _post(self, url: str, path: str, data: dict, step: bool = False, retries: int = RETRIES) -> tuple:
+    def _post(self, url: str, path: str, data: dict, step: bool = False, retries: int = RETRIES,
+              timeout: float | None = None) -> tuple:
         """`(data, pngs)` of one request, sent again (after a backoff) only while it certainly did not run.
         HttpError otherwise: `ran` False (not run: refused, 503 to the end, or 404 for a step, whose session
         is gone), True (the server ran it and answered an error), None (no answer: it may have run)."""
@@ -496,7 +523,8 @@ class HttpEnvWorkers:
             if attempt:
                 time.sleep(BACKOFF * 2 ** (attempt - 1) * random.uniform(0.8, 1.2))
             try:
-                response = self.client.post(f"{url}{path}", content=body, headers={"Content-Type": content_type})
+                response = self.client.post(f"{url}{path}", content=body, headers={"Content-Type": content_type},
+                                            **({"timeout": timeout} if timeout else {}))
             except httpx.ConnectError as err:
                 problem = HttpError(f"HttpServerGone: {url} refused the connection ({err})", ran=False)
                 self.down[url] = time.monotonic() + DOWN_FOR
