@@ -28,9 +28,9 @@ def sokoban():
     return load_config("sokoban_visual", ["env.backend=http", "env.urls=[http://127.0.0.1:1]"])
 
 
-def served(cfg=None, **kwargs):
+def served(cfg=None, port=None, **kwargs):
     kwargs.setdefault("workers", 1)
-    return ServerThread(build_app(cfg or sokoban(), **kwargs))
+    return ServerThread(build_app(cfg or sokoban(), **kwargs), port)
 
 
 def client(urls, count, cfg=None, log=None, **kwargs):
@@ -256,6 +256,30 @@ def test_vagen_server_answers_as_worker_processes_do_and_replays_a_reaped_sessio
             pool.close()
         assert httpx.get(f"{server.url}/sessions").json()["num_sessions"] == 0
     assert pool.replayed == len(seeds) and all("(HttpSessionLost: " in line for line in lines), lines
+
+
+def test_a_vagen_server_restarted_under_the_client_is_replayed_on_with_the_same_answers():
+    seeds = [3, 4]
+    lines = []
+    first = served()
+    port = first.port
+    restarted = []
+
+    def restart(turn):
+        if turn == 1:  # every session unknown to the new server (404)
+            first.__exit__(None, None, None)
+            restarted.append(served(port=port).__enter__())
+
+    with first:
+        pool = client([first.url], len(seeds), log=lines.append)
+        try:
+            expected = play(pool, seeds)
+            assert play(pool, seeds, between=restart) == expected
+        finally:
+            pool.close()
+            for server in restarted:
+                server.__exit__(None, None, None)
+    assert pool.replayed == len(lines) >= 1 and all("(HttpSessionLost: " in line for line in lines), lines
 
 
 def test_env_config_keys_are_checked_against_the_environment():
