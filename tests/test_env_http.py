@@ -28,6 +28,23 @@ def sokoban():
     return load_config("sokoban_visual", ["env.backend=http", "env.urls=[http://127.0.0.1:1]"])
 
 
+@pytest.fixture(scope="module")
+def shared():
+    """One server for the tests that need no setting of their own (its start, a worker process, costs seconds):
+    64 sessions at most, bodies up to 64 KiB."""
+    app = build_app(sokoban(), workers=2, max_sessions=64, max_request_bytes=1 << 16)
+    with ServerThread(app) as server:
+        server.state = app.state.vagen
+        warm = client([server.url], 2)  # a session in each worker: both processes started and imported
+        try:
+            warm.reset(0, 1)
+            warm.reset(1, 2)
+            assert all(answer.error is None for answer in collect(warm, 2))
+        finally:
+            warm.close()
+        yield server
+
+
 def served(cfg=None, port=None, **kwargs):
     kwargs.setdefault("workers", 1)
     return ServerThread(build_app(cfg or sokoban(), **kwargs), port)
@@ -85,7 +102,7 @@ def parts(body: bytes, content_type: str) -> list[tuple[str, bytes]]:
     return out
 
 
-def test_a_connect_and_a_step_sent_as_hand_built_multipart_are_answered_with_png_parts_per_image():
+def test_a_connect_and_a_step_sent_as_hand_built_multipart_are_answered_with_png_parts_per_image(shared):
     boundary = b"gym_env_5a5a5a5a"
 
     def body(data: bytes) -> bytes:
@@ -93,42 +110,42 @@ def test_a_connect_and_a_step_sent_as_hand_built_multipart_are_answered_with_png
                 b"Content-Type: application/json; charset=utf-8\r\n\r\n" + data + b"\r\n--" + boundary + b"--\r\n")
 
     headers = {"Content-Type": "multipart/form-data; boundary=\"gym_env_5a5a5a5a\""}
-    with served() as server:
-        connected = httpx.post(f"{server.url}/connect", headers=headers,
-                               content=body(b'{"env_config": {"dim_room": [6, 6]}, "seed": 7}'))
-        assert connected.status_code == 200, connected.text
-        assert connected.headers["content-type"].startswith("multipart/mixed; boundary=")
-        (head, payload), *images = parts(connected.content, connected.headers["content-type"])
-        assert "Content-Type: application/json" in head
-        first = json.loads(payload)
-        assert first["obs"].count("<image>") == len(images) == 1 and first["info"]["success"] is False
-        session = first["session_id"]
-        stepped = httpx.post(f"{server.url}/call", headers=headers, content=body(json.dumps(
-            {"session_id": session, "method": "step", "params": {"action_str": SCRIPT[0]}}).encode()))
-        assert stepped.status_code == 200, stepped.text
-        (head, payload), *images = parts(stepped.content, stepped.headers["content-type"])
-        data = json.loads(payload)
-        assert head.index("Content-Type: application/json") >= 0 and data["obs"].count("<image>") == len(images) == 1
-        for image_head, png in images:
-            assert "Content-Type: image/png" in image_head and png.startswith(b"\x89PNG\r\n\x1a\n")
-            assert Image.open(io.BytesIO(png)).size == (168, 168)  # 6x6 cells of 28 pixels
-        assert set(data) == {"obs", "reward", "done", "info"} and data["done"] is False
-        assert data["info"]["terminated"] is False and data["info"]["truncated"] is False
-        assert data["info"]["actions"] == ["Left", "Up"] and isinstance(data["info"]["state_key"], list)
-        # the answer is the local environment's, step for step
-        cfg = sokoban()
-        local = EnvFactory(cfg.env)()
-        obs, _ = local.reset(seed=7)
-        obs, reward, *_ = local.step(SCRIPT[0])
-        assert data["obs"] == obs.text and data["reward"] == reward
-        assert Image.open(io.BytesIO(images[0][1])).tobytes() == obs.images[0].tobytes()
-        prompt = httpx.post(f"{server.url}/call", headers=headers, content=body(json.dumps(
-            {"session_id": session, "method": "system_prompt", "params": {}}).encode()))
-        assert json.loads(parts(prompt.content, prompt.headers["content-type"])[0][1])["obs"] == local.system_prompt()
-        closed = httpx.post(f"{server.url}/call", headers=headers, content=body(json.dumps(
-            {"session_id": session, "method": "close", "params": {}}).encode()))
-        assert json.loads(parts(closed.content, closed.headers["content-type"])[0][1]) == {"closed": True}
-        assert httpx.get(f"{server.url}/sessions").json()["num_sessions"] == 0
+    server = shared
+    connected = httpx.post(f"{server.url}/connect", headers=headers,
+                           content=body(b'{"env_config": {"dim_room": [6, 6]}, "seed": 7}'))
+    assert connected.status_code == 200, connected.text
+    assert connected.headers["content-type"].startswith("multipart/mixed; boundary=")
+    (head, payload), *images = parts(connected.content, connected.headers["content-type"])
+    assert "Content-Type: application/json" in head
+    first = json.loads(payload)
+    assert first["obs"].count("<image>") == len(images) == 1 and first["info"]["success"] is False
+    session = first["session_id"]
+    stepped = httpx.post(f"{server.url}/call", headers=headers, content=body(json.dumps(
+        {"session_id": session, "method": "step", "params": {"action_str": SCRIPT[0]}}).encode()))
+    assert stepped.status_code == 200, stepped.text
+    (head, payload), *images = parts(stepped.content, stepped.headers["content-type"])
+    data = json.loads(payload)
+    assert head.index("Content-Type: application/json") >= 0 and data["obs"].count("<image>") == len(images) == 1
+    for image_head, png in images:
+        assert "Content-Type: image/png" in image_head and png.startswith(b"\x89PNG\r\n\x1a\n")
+        assert Image.open(io.BytesIO(png)).size == (168, 168)  # 6x6 cells of 28 pixels
+    assert set(data) == {"obs", "reward", "done", "info"} and data["done"] is False
+    assert data["info"]["terminated"] is False and data["info"]["truncated"] is False
+    assert data["info"]["actions"] == ["Left", "Up"] and isinstance(data["info"]["state_key"], list)
+    # the answer is the local environment's, step for step
+    cfg = sokoban()
+    local = EnvFactory(cfg.env)()
+    obs, _ = local.reset(seed=7)
+    obs, reward, *_ = local.step(SCRIPT[0])
+    assert data["obs"] == obs.text and data["reward"] == reward
+    assert Image.open(io.BytesIO(images[0][1])).tobytes() == obs.images[0].tobytes()
+    prompt = httpx.post(f"{server.url}/call", headers=headers, content=body(json.dumps(
+        {"session_id": session, "method": "system_prompt", "params": {}}).encode()))
+    assert json.loads(parts(prompt.content, prompt.headers["content-type"])[0][1])["obs"] == local.system_prompt()
+    closed = httpx.post(f"{server.url}/call", headers=headers, content=body(json.dumps(
+        {"session_id": session, "method": "close", "params": {}}).encode()))
+    assert json.loads(parts(closed.content, closed.headers["content-type"])[0][1]) == {"closed": True}
+    assert httpx.get(f"{server.url}/sessions").json()["num_sessions"] == 0
 
 
 def test_the_client_plays_a_vagen_lite_server_from_its_hand_built_answers():
@@ -143,6 +160,7 @@ def test_the_client_plays_a_vagen_lite_server_from_its_hand_built_answers():
             assert system_prompt == SYSTEM_PROMPT  # asked for with /call system_prompt, as Lite's server needs
             (image,) = obs.images
             assert image.mode == "RGB" and image.size == (8, 8) and image.getpixel((0, 0)) == (120, 10, 20)
+            ours, other = pool.sessions[0].session_id, pool.sessions[1].session_id
             rewards = []
             for _ in range(3):
                 pool.step(0, "<answer>Right</answer>")
@@ -151,7 +169,7 @@ def test_the_client_plays_a_vagen_lite_server_from_its_hand_built_answers():
                 rewards.append((reward, terminated, truncated, info["success"]))
             assert rewards == [(1.0, False, False, False)] * 2 + [(1.0, True, False, True)]
             assert obs.text == "You are at 6.\n<image>" and obs.images[0].getpixel((0, 0)) == (240, 10, 20)
-            assert "s1" not in lite.sessions and "s2" in lite.sessions  # closed at its episode's end, not before
+            assert ours not in lite.sessions and other in lite.sessions  # closed at its episode's end, not before
         finally:
             pool.close()
         assert lite.sessions == {}  # and the rest at close()
@@ -282,17 +300,17 @@ def test_a_vagen_server_restarted_under_the_client_is_replayed_on_with_the_same_
     assert pool.replayed == len(lines) >= 1 and all("(HttpSessionLost: " in line for line in lines), lines
 
 
-def test_env_config_keys_are_checked_against_the_environment():
-    with served() as server:
-        body, content_type = encode_multipart({"env_config": {"dim_rom": [6, 6]}, "seed": 1})
-        answer = httpx.post(f"{server.url}/connect", content=body, headers={"Content-Type": content_type})
-        assert answer.status_code == 400
-        assert "dim_rom" in answer.json()["detail"] and "dim_room" in answer.json()["detail"]
-        body, content_type = encode_multipart({"env_config": {"dim_room": "big"}, "seed": 1})
-        answer = httpx.post(f"{server.url}/connect", content=body, headers={"Content-Type": content_type})
-        assert answer.status_code == 400 and answer.json()["detail"].startswith("EnvConfigError: env 'sokoban' "
-                                                                                "cannot be made with env_config")
-        assert httpx.get(f"{server.url}/sessions").json()["num_sessions"] == 0
+def test_env_config_keys_are_checked_against_the_environment(shared):
+    server = shared
+    body, content_type = encode_multipart({"env_config": {"dim_rom": [6, 6]}, "seed": 1})
+    answer = httpx.post(f"{server.url}/connect", content=body, headers={"Content-Type": content_type})
+    assert answer.status_code == 400
+    assert "dim_rom" in answer.json()["detail"] and "dim_room" in answer.json()["detail"]
+    body, content_type = encode_multipart({"env_config": {"dim_room": "big"}, "seed": 1})
+    answer = httpx.post(f"{server.url}/connect", content=body, headers={"Content-Type": content_type})
+    assert answer.status_code == 400 and answer.json()["detail"].startswith("EnvConfigError: env 'sokoban' "
+                                                                            "cannot be made with env_config")
+    assert httpx.get(f"{server.url}/sessions").json()["num_sessions"] == 0
 
 
 def test_a_wrong_or_missing_key_gets_401_or_403_and_never_reaches_an_environment(monkeypatch):
@@ -325,8 +343,7 @@ def test_a_wrong_or_missing_key_gets_401_or_403_and_never_reaches_an_environment
             pool.close()
 
 
-def test_malformed_requests_get_400_and_the_server_stays_up_without_leaking_a_session():
-    app = build_app(sokoban(), workers=1, max_sessions=4, max_request_bytes=1 << 16)
+def test_malformed_requests_get_400_and_the_server_stays_up_without_leaking_a_session(shared):
     good, content_type = encode_multipart({"env_config": {}, "seed": 1})
     boundary = content_type.split('"')[1]
     cases = [
@@ -345,7 +362,8 @@ def test_malformed_requests_get_400_and_the_server_stays_up_without_leaking_a_se
     calls = [{"method": "step"}, {"session_id": 5, "method": "step"}, {"session_id": "x", "method": "dance"},
              {"session_id": "x", "method": "step", "params": [1]}]
     rng = random.Random(0)
-    with ServerThread(app) as server, httpx.Client() as http:
+    server = shared
+    with httpx.Client() as http:
         statuses = []
         for body, kind in cases:
             statuses.append(http.post(f"{server.url}/connect", content=body, headers={"Content-Type": kind}).status_code)
@@ -376,28 +394,36 @@ def test_malformed_requests_get_400_and_the_server_stays_up_without_leaking_a_se
         assert all(status in (200, 400) for status in statuses), statuses
         assert http.get(f"{server.url}/health").json()["ok"] is True
         assert http.get(f"{server.url}/sessions").json()["num_sessions"] == 0
-        assert sorted(app.state.vagen["free"]) == [0, 1, 2, 3]  # every slot free again
+        assert sorted(server.state["free"]) == list(range(64))  # every slot free again
         # and it still serves
         answer = http.post(f"{server.url}/connect", content=good, headers={"Content-Type": content_type})
         assert answer.status_code == 200
+        session = decode_multipart(answer.content, answer.headers["content-type"])[0]["session_id"]
+        close, kind = encode_multipart({"session_id": session, "method": "close"})
+        assert http.post(f"{server.url}/call", content=close, headers={"Content-Type": kind}).status_code == 200
 
 
-def test_64_concurrent_sessions_on_one_server_and_503_past_max_sessions():
-    with served(max_sessions=64, workers=2) as server:
-        pool = client([server.url], 64)
-        try:
-            played = play(pool, list(range(64)), script=SCRIPT[:2])
-            going = sum(not answers[-1][2][1] and not answers[-1][2][2] for answers in played.values())
-            assert 32 < going <= 64  # a session closes at its episode's end (a level solved in two turns)
-            assert httpx.get(f"{server.url}/sessions").json()["num_sessions"] == going
-            body, content_type = encode_multipart({"env_config": {}, "seed": 1})
-            extra = [httpx.post(f"{server.url}/connect", content=body, headers={"Content-Type": content_type})
-                     for _ in range(64 - going + 1)]
-            assert [answer.status_code for answer in extra] == [200] * (64 - going) + [503]
-            assert "--max-sessions" in extra[-1].json()["detail"]
-        finally:
-            pool.close()
-        assert httpx.get(f"{server.url}/sessions").json()["num_sessions"] == 64 - going  # those opened by hand
+def test_64_concurrent_sessions_on_one_server_and_503_past_max_sessions(shared):
+    server = shared
+    pool = client([server.url], 64)
+    try:
+        played = play(pool, list(range(64)), script=SCRIPT[:2])
+        going = sum(not answers[-1][2][1] and not answers[-1][2][2] for answers in played.values())
+        assert 32 < going <= 64  # a session closes at its episode's end (a level solved in two turns)
+        assert httpx.get(f"{server.url}/sessions").json()["num_sessions"] == going
+        body, content_type = encode_multipart({"env_config": {}, "seed": 1})
+        extra = [httpx.post(f"{server.url}/connect", content=body, headers={"Content-Type": content_type})
+                 for _ in range(64 - going + 1)]
+        assert [answer.status_code for answer in extra] == [200] * (64 - going) + [503]
+        assert "--max-sessions" in extra[-1].json()["detail"]
+    finally:
+        pool.close()
+    assert httpx.get(f"{server.url}/sessions").json()["num_sessions"] == 64 - going  # those opened by hand
+    for answer in extra[:-1]:
+        session = decode_multipart(answer.content, answer.headers["content-type"])[0]["session_id"]
+        close, kind = encode_multipart({"session_id": session, "method": "close"})
+        httpx.post(f"{server.url}/call", content=close, headers={"Content-Type": kind})
+    assert httpx.get(f"{server.url}/sessions").json()["num_sessions"] == 0
     assert all(len(answers) >= 2 and all(not isinstance(a, str) for a in answers) for answers in played.values())
     assert sum(len(answers) for answers in played.values()) > 64 * 2.5
     assert len({answers[0][1][0][2] for answers in played.values()}) > 10  # 64 levels, many of them different

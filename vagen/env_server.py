@@ -231,8 +231,9 @@ def build_app(cfg, *, api_key: str | None = None, max_sessions: int = 128, max_i
         body, content_type = encode_multipart(data, list(images), subtype="mixed")
         return Response(content=body, media_type=content_type)
 
-    def observation(data: dict, obs) -> Response:
-        return answer({"obs": obs.text, **data}, obs.images)
+    async def observation(data: dict, obs) -> Response:
+        # PNG encoding in a thread: the event loop goes on reading other sessions' requests meanwhile
+        return await asyncio.to_thread(answer, {"obs": obs.text, **data}, obs.images)
 
     async def reset(session: Session, seed: int):
         result = await run(session, "reset", (session.config, seed))
@@ -283,7 +284,7 @@ def build_app(cfg, *, api_key: str | None = None, max_sessions: int = 128, max_i
                 raise
         if seed is None:
             return answer({"session_id": session.id})
-        return observation({"session_id": session.id, "info": info, "system_prompt": session.system_prompt}, obs)
+        return await observation({"session_id": session.id, "info": info, "system_prompt": session.system_prompt}, obs)
 
     @app.post("/call")
     async def call(request: Request):
@@ -312,7 +313,7 @@ def build_app(cfg, *, api_key: str | None = None, max_sessions: int = 128, max_i
                 if isinstance(seed, bool) or not isinstance(seed, int):
                     raise HTTPException(400, f"params.seed must be an integer, got {seed!r}")
                 obs, info = await reset(session, seed)
-                return observation({"info": info}, obs)
+                return await observation({"info": info}, obs)
             text = params.get("action_str")
             if not isinstance(text, str):
                 raise HTTPException(400, f"params.action_str must be the response text, got {text!r}")
@@ -321,7 +322,7 @@ def build_app(cfg, *, api_key: str | None = None, max_sessions: int = 128, max_i
             return JSONResponse({"detail": result.error}, status_code=500)
         obs, reward, terminated, truncated, info = result.value
         info = {**json_safe(info), "terminated": bool(terminated), "truncated": bool(truncated)}
-        return observation({"reward": float(reward), "done": bool(terminated or truncated), "info": info}, obs)
+        return await observation({"reward": float(reward), "done": bool(terminated or truncated), "info": info}, obs)
 
     return app
 
