@@ -407,9 +407,9 @@ def test_64_concurrent_sessions_on_one_server_and_503_past_max_sessions(shared):
     server = shared
     pool = client([server.url], 64)
     try:
-        played = play(pool, list(range(64)), script=SCRIPT[:2])
+        played = play(pool, list(range(64)), script=SCRIPT[:1])
         going = sum(not answers[-1][2][1] and not answers[-1][2][2] for answers in played.values())
-        assert 32 < going <= 64  # a session closes at its episode's end (a level solved in two turns)
+        assert 32 < going <= 64  # a session closes at its episode's end (a level solved in a turn)
         assert httpx.get(f"{server.url}/sessions").json()["num_sessions"] == going
         body, content_type = encode_multipart({"env_config": {}, "seed": 1})
         extra = [httpx.post(f"{server.url}/connect", content=body, headers={"Content-Type": content_type})
@@ -424,8 +424,7 @@ def test_64_concurrent_sessions_on_one_server_and_503_past_max_sessions(shared):
         close, kind = encode_multipart({"session_id": session, "method": "close"})
         httpx.post(f"{server.url}/call", content=close, headers={"Content-Type": kind})
     assert httpx.get(f"{server.url}/sessions").json()["num_sessions"] == 0
-    assert all(len(answers) >= 2 and all(not isinstance(a, str) for a in answers) for answers in played.values())
-    assert sum(len(answers) for answers in played.values()) > 64 * 2.5
+    assert all(len(answers) == 2 and all(not isinstance(a, str) for a in answers) for answers in played.values())
     assert len({answers[0][1][0][2] for answers in played.values()}) > 10  # 64 levels, many of them different
 
 
