@@ -456,3 +456,21 @@ def test_killing_one_of_two_servers_mid_rollout_gives_the_uninterrupted_answers_
     on_doomed = [line for line in lines if f"on {urls[1]} was lost" in line]
     assert pool.replayed == len(on_doomed) == len(lines) >= 1, lines
     assert all(f"replayed in a new session on {urls[0]}" in line for line in on_doomed)
+
+
+def test_the_config_names_what_env_backend_http_needs(monkeypatch):
+    from vagen.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"env.backend=http steps sessions on environment servers, but "
+                                          r"env.urls=\[\]; give their addresses"):
+        load_config("sokoban_visual", ["env.backend=http"])
+    with pytest.raises(ConfigError, match=r"env.api_key_env='sk-123' names an environment variable .*, never the "
+                                          r"key itself"):
+        load_config("sokoban_visual", ["env.backend=http", "env.urls=[http://127.0.0.1:1]", "env.api_key_env=sk-123"])
+    with pytest.raises(ConfigError, match=r"env.backend='htp'; did you mean 'http'\?"):
+        load_config("sokoban_visual", ["env.backend=htp"])
+    monkeypatch.delenv("VAGEN_UNSET_KEY", raising=False)
+    cfg = load_config("sokoban_visual", ["env.backend=http", "env.urls=[http://127.0.0.1:1]",
+                                         "env.api_key_env=VAGEN_UNSET_KEY"])
+    with pytest.raises(RuntimeError, match=r"env.api_key_env=VAGEN_UNSET_KEY: that environment variable is not set"):
+        HttpEnvWorkers.from_config(cfg.env, 1)
