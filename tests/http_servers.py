@@ -111,11 +111,13 @@ class LiteLikeServer:
     request; `steps` the (session, action) of each step applied. Faults, set by the test: `forget` (every
     session unknown from now on: a restart), `drop_step` (the step number, counted over the server's life, whose
     answer is never sent: it is applied, then the connection closes), `busy` (503s still to answer),
-    `wobble` (replayed observations differ: a server that is not deterministic)."""
+    `wobble` (replayed observations differ: a server that is not deterministic), `fail_step` (the step number
+    whose environment raises: 500 with its error)."""
 
     def __init__(self, api_key: str | None = None):
         self.api_key, self.sessions, self.requests, self.steps = api_key, {}, [], []
         self.forget, self.drop_step, self.busy, self.wobble, self.connects = False, None, 0, False, 0
+        self.fail_step = None
         self.lock = threading.Lock()
         owner = self
 
@@ -205,6 +207,8 @@ class LiteLikeServer:
             return 200, {"closed": True}, []
         action = data["params"]["action_str"]
         self.steps.append((data["session_id"], action))
+        if self.fail_step is not None and len(self.steps) == self.fail_step:
+            return 500, {"detail": "ValueError: the agent fell off the line"}, []
         state["steps"] += 1
         state["position"] += "Right" in action
         done = state["steps"] >= 3

@@ -223,6 +223,26 @@ def test_busy_servers_are_retried_and_lost_sessions_of_a_restarted_server_replay
     assert pool.replayed == 1 and "(HttpSessionLost: " in lines[0] and "404: reaped" in lines[0]
 
 
+def test_the_environment_s_own_error_ends_its_episode_without_a_replay():
+    lines = []
+    with LiteLikeServer() as lite:
+        lite.fail_step = 2
+        pool = HttpEnvWorkers([lite.url], 2, {}, log=lines.append)
+        try:
+            pool.reset(0, 0)
+            pool.reset(1, 1)
+            collect(pool, 2)
+            pool.step(0, "<answer>Right</answer>")
+            pool.step(1, "<answer>Right</answer>")
+            first, second = collect(pool, 2)
+        finally:
+            pool.close()
+    failed, fine = (first, second) if first.error else (second, first)
+    assert re.fullmatch(r"HttpEnvError: http://127.0.0.1:\d+/call answered 500: ValueError: the agent fell off the "
+                        r"line", failed.error), failed.error
+    assert fine.error is None and lines == [] and lite.connects == 2 and len(lite.steps) == 2
+
+
 def test_a_server_that_is_not_deterministic_ends_the_episode_with_a_named_error():
     for replay in (True, False):
         with LiteLikeServer() as lite:

@@ -74,8 +74,10 @@ class ReplayMismatch(RuntimeError):
 
 
 def png_bytes(image: Image.Image) -> bytes:
+    """A frame as PNG. zlib level 1: on a 168x168 Sokoban frame 40 % faster to write than PIL's default level 6
+    (about 3 ms less per step on the 2-core machine), for 6.5 KiB instead of 4.7 (benchmarks.md)."""
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    image.save(buffer, format="PNG", compress_level=1)
     return buffer.getvalue()
 
 
@@ -377,7 +379,9 @@ class HttpEnvWorkers:
                 value = self._call_step(session, text)
                 break
             except HttpError as err:
-                if err.ran or attempt == MAX_RECOVERIES:
+                if err.ran or attempt == MAX_RECOVERIES:  # the episode ends here: so does its session
+                    self.sessions[index] = None
+                    self._close_session(session)
                     return Answer(index, "step", error=str(err))
                 lost = str(err)
             if not self.replay:
