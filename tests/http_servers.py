@@ -45,7 +45,8 @@ class ServerThread:
     def __init__(self, app, port: int | None = None):
         self.app, self.port = app, port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> ServerThread:

@@ -31,8 +31,8 @@ def sokoban():
 @pytest.fixture(scope="module")
 def shared():
     """One server for the tests that need no setting of their own (its start, a worker process, costs seconds):
-    64 sessions at most, bodies up to 64 KiB."""
-    app = build_app(sokoban(), workers=2, max_sessions=64, max_request_bytes=1 << 16)
+    64 sessions and 64 requests at once at most, bodies up to 64 KiB."""
+    app = build_app(sokoban(), workers=2, max_sessions=64, max_inflight=64, max_request_bytes=1 << 16)
     with ServerThread(app) as server:
         server.state = app.state.vagen
         warm = client([server.url], 2)  # a session in each worker: both processes started and imported
@@ -494,3 +494,39 @@ def test_the_config_names_what_env_backend_http_needs(monkeypatch):
                                          "env.api_key_env=VAGEN_UNSET_KEY"])
     with pytest.raises(RuntimeError, match=r"env.api_key_env=VAGEN_UNSET_KEY: that environment variable is not set"):
         HttpEnvWorkers.from_config(cfg.env, 1)
+
+
+def test_requests_past_max_inflight_wait_then_get_503_without_reaching_an_environment(shared, monkeypatch):
+    import asyncio
+
+    from vagen import env_server
+
+    monkeypatch.setattr(env_server, "ADMIT_TIMEOUT", 0.3)
+    gate, loop = shared.state["gate"], shared.state["loop"]
+    for _ in range(64):  # every one of --max-inflight taken, as by 64 slow requests
+        asyncio.run_coroutine_threadsafe(gate.acquire(), loop).result(timeout=5)
+    body, content_type = encode_multipart({"env_config": {}, "seed": 1})
+    reached = shared.state["envs_reached"]
+    try:
+        t0 = time.perf_counter()
+        busy = httpx.post(f"{shared.url}/connect", content=body, headers={"Content-Type": content_type})
+        assert busy.status_code == 503 and time.perf_counter() - t0 >= 0.3
+        assert busy.json()["detail"] == "server busy: 64 requests running (--max-inflight) for 0.3 s"
+    finally:
+        for _ in range(64):
+            loop.call_soon_threadsafe(gate.release)
+    assert shared.state["envs_reached"] == reached and shared.state["sessions"] == {}
+    served_now = httpx.post(f"{shared.url}/connect", content=body, headers={"Content-Type": content_type}, timeout=30)
+    assert served_now.status_code == 200
+    session = decode_multipart(served_now.content, served_now.headers["content-type"])[0]["session_id"]
+    close, kind = encode_multipart({"session_id": session, "method": "close"})
+    assert httpx.post(f"{shared.url}/call", content=close, headers={"Content-Type": kind}).status_code == 200
+
+
+def test_the_server_command_refuses_a_key_variable_that_is_not_set(monkeypatch, capsys):
+    from vagen.env_server import main
+
+    monkeypatch.delenv("VAGEN_UNSET_KEY", raising=False)
+    assert main(["--config", "sokoban_visual", "--api-key-env", "VAGEN_UNSET_KEY"]) == 2
+    assert "--api-key-env VAGEN_UNSET_KEY: that environment variable is not set" in capsys.readouterr().err
+    assert main(["--config", "sokoban_visual", "--max-sessions", "0"]) == 2

@@ -146,14 +146,14 @@ def build_app(cfg, *, api_key: str | None = None, max_sessions: int = 128, max_i
 
     name, base = cfg.env.name, env_params(cfg.env)
     accepted = sorted(envs_visual.parameters(name))
-    state = {"sessions": {}, "free": list(range(max_sessions)), "requests": 0, "envs_reached": 0}
-    sessions: dict[str, Session] = state["sessions"]
     gate = asyncio.Semaphore(max_inflight) if max_inflight > 0 else None
+    state = {"sessions": {}, "free": list(range(max_sessions)), "envs_reached": 0, "gate": gate}
+    sessions: dict[str, Session] = state["sessions"]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         pool = EnvWorkers(SessionEnvFactory(name, base), max_sessions, workers, cfg.env.step_timeout)
-        state["dispatcher"] = Dispatcher(pool)
+        state["dispatcher"], state["loop"] = Dispatcher(pool), asyncio.get_running_loop()
         reaper = asyncio.create_task(reap())
         try:
             yield
