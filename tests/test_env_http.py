@@ -142,6 +142,10 @@ def test_a_connect_and_a_step_sent_as_hand_built_multipart_are_answered_with_png
     prompt = httpx.post(f"{server.url}/call", headers=headers, content=body(json.dumps(
         {"session_id": session, "method": "system_prompt", "params": {}}).encode()))
     assert json.loads(parts(prompt.content, prompt.headers["content-type"])[0][1])["obs"] == local.system_prompt()
+    again = httpx.post(f"{server.url}/call", headers=headers, content=body(json.dumps(
+        {"session_id": session, "method": "reset", "params": {"seed": 7}}).encode()))
+    (head, payload), *images = parts(again.content, again.headers["content-type"])
+    assert json.loads(payload)["obs"] == first["obs"] and len(images) == 1  # the level of /connect's seed again
     closed = httpx.post(f"{server.url}/call", headers=headers, content=body(json.dumps(
         {"session_id": session, "method": "close", "params": {}}).encode()))
     assert json.loads(parts(closed.content, closed.headers["content-type"])[0][1]) == {"closed": True}
