@@ -534,3 +534,21 @@ def test_the_server_command_refuses_a_key_variable_that_is_not_set(monkeypatch, 
     assert main(["--config", "sokoban_visual", "--api-key-env", "VAGEN_UNSET_KEY"]) == 2
     assert "--api-key-env VAGEN_UNSET_KEY: that environment variable is not set" in capsys.readouterr().err
     assert main(["--config", "sokoban_visual", "--max-sessions", "0"]) == 2
+
+
+def test_a_foreign_server_gets_env_remote_config_and_no_vagen_environment_is_built():
+    from vagen.rollout import graded_scores
+
+    with LiteLikeServer() as lite:
+        cfg = load_config("navigation_visual", ["env.backend=http", f"env.urls=[{lite.url}]",
+                                                "env.remote_config={eval_set: base, max_actions_per_step: 5}",
+                                                "env.prompt_format=grounding_worldmodeling"])
+        pool = HttpEnvWorkers.from_config(cfg.env, 1)
+        try:
+            pool.reset(0, 11)
+            assert collect(pool, 1)[0].value[0].text.endswith("You are at 11.")
+            assert graded_scores(pool.example()) == ()  # a stand-in: its info carries no state scores
+        finally:
+            pool.close()
+    connect = LiteLikeServer.json_part(lite.requests[0][1], lite.requests[0][2])
+    assert connect["env_config"] == {"eval_set": "base", "max_actions_per_step": 5} and connect["seed"] == 11

@@ -214,14 +214,15 @@ class HttpEnvWorkers:
     """`env.backend=http`: `count` environments as sessions on the servers `urls` (VAGEN-Lite's protocol),
     `env_config` sent to each `/connect`. `api_key`: sent as `X-API-Key`; `replay`: whether a lost session is
     rebuilt by replay; `timeout`: seconds a request may wait for its answer. `example_factory`: makes the
-    local environment `example()` returns (never stepped); None for servers of other projects. Raises
+    local environment `example()` returns (never stepped); None for servers of other projects, whose
+    `prompt_format` (env.prompt_format) is all the run knows of them. Raises
     RuntimeError naming each server that does not answer `GET /health`."""
 
     what = "HTTP session"
 
     def __init__(self, urls: list[str], count: int, env_config: dict, *, api_key: str | None = None,
                  replay: bool = True, timeout: float = 120.0, env_name: str | None = None, example_factory=None,
-                 log=None):
+                 prompt_format: str = "free_think", log=None):
         import httpx
 
         if not urls:
@@ -229,7 +230,7 @@ class HttpEnvWorkers:
                              "env.urls=[http://127.0.0.1:8000]")
         self.urls = [url.rstrip("/") for url in urls]
         self.count, self.env_config, self.replay, self.timeout = count, dict(env_config), replay, timeout
-        self.example_factory, self.example_env = example_factory, None
+        self.example_factory, self.example_env, self.prompt_format = example_factory, None, prompt_format
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         headers = {"X-API-Key": api_key} if api_key else {}
         self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=10.0),
@@ -263,9 +264,10 @@ class HttpEnvWorkers:
                                    f"(or empty); export it with the server's key, or set env.api_key_env=null for a "
                                    f"server without one")
         env_config = dict(cfg_env.remote_config) if cfg_env.remote_config else env_params(cfg_env)
+        foreign = bool(cfg_env.remote_config)  # a server of another project: env.name is only a label then
         return cls(list(cfg_env.urls), count, env_config, api_key=api_key, replay=cfg_env.replay,
-                   timeout=cfg_env.http_timeout, env_name=None if cfg_env.remote_config else cfg_env.name,
-                   example_factory=EnvFactory(cfg_env))
+                   timeout=cfg_env.http_timeout, env_name=None if foreign else cfg_env.name,
+                   example_factory=None if foreign else EnvFactory(cfg_env), prompt_format=cfg_env.prompt_format)
 
     def _check_health(self, url: str, env_name: str | None) -> None:
         try:
@@ -290,13 +292,13 @@ class HttpEnvWorkers:
 
     def example(self):
         """An environment of the kind the servers hold, built here once (its prompt format and graded
-        fields; never stepped); a stand-in with neither for a server of another project."""
+        fields; never stepped); for a server of another project a stand-in whose states are not graded (its
+        `info` carries no state scores)."""
         if self.example_env is None:
             if self.example_factory is None:
                 from types import SimpleNamespace
 
-                self.example_env = SimpleNamespace(prompt_format=self.env_config.get("prompt_format", "free_think"),
-                                                   state_weights=None)
+                self.example_env = SimpleNamespace(prompt_format=self.prompt_format, state_weights=None)
             else:
                 self.example_env = self.example_factory()
         return self.example_env
