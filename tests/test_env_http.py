@@ -452,34 +452,62 @@ def test_64_concurrent_sessions_on_one_server_and_503_past_max_sessions(shared):
     assert len({answers[0][1][0][2] for answers in played.values()}) > 10  # 64 levels, many of them different
 
 
-@pytest.mark.slow  # two server processes started: 20 s on the 2-core machine beside other jobs
-def test_killing_one_of_two_servers_mid_rollout_gives_the_uninterrupted_answers_with_the_replays_logged():
-    from http_servers import server_process
+class KillsAServer:
+    """The pool a rollout steps, as it is, but right after the first step of turn 1 sent to a session on
+    `doomed`'s server, that server's process is killed (SIGKILL: its sessions and in-flight answers gone)."""
 
-    seeds = [3, 4, 5, 6]
+    def __init__(self, pool: HttpEnvWorkers, doomed, url: str):
+        self.pool, self.doomed, self.url, self.killed = pool, doomed, url, False
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+    def __len__(self):
+        return len(self.pool)
+
+    def step(self, index, text):
+        session = self.pool.sessions[index]
+        self.pool.step(index, text)
+        if not self.killed and session is not None and session.url == self.url and len(session.texts) == 1:
+            self.doomed.kill()
+            self.killed = True
+
+
+@pytest.mark.slow  # two server processes and the tiny model's processor: 30 s on the 2-core machine beside other jobs
+def test_killing_one_of_two_servers_mid_rollout_gives_the_uninterrupted_run_with_the_replays_logged(tiny_vl):
+    from http_servers import server_process
+    from scripted import ScriptedDecoder
+
+    from vagen.episode import ChatEncoder
+    from vagen.rollout import rollout, rollout_metrics
+
+    seeds = [3, 4, 5, 6, 7, 8]
+    cfg = load_config("sokoban_visual", ["rollout.max_turns=3"])
+    encoder = ChatEncoder(tiny_vl[2])
+    script = {row: [SCRIPT[(row + turn) % 3] for turn in range(3)] for row in range(len(seeds))}
     ports = [free_port(), free_port()]
-    lines = []
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    lines, played, metrics = [], [], []
     with server_process("sokoban_visual", ports[0], "--workers", "1"), \
             server_process("sokoban_visual", ports[1], "--workers", "1") as doomed:
-        urls = [f"http://127.0.0.1:{port}" for port in ports]
-        pool = client(urls, len(seeds), log=lines.append)
-        try:
-            for i, seed in enumerate(seeds):
-                pool.reset(i, seed)
-            collect(pool, len(seeds))
-            assert sorted(session.url for session in pool.sessions.values()) == sorted(urls * 2)  # balanced
-            expected = play(pool, seeds)
-
-            def kill(turn):
-                if turn == 1:
-                    doomed.kill()
-
-            assert play(pool, seeds, between=kill) == expected
-        finally:
-            pool.close()
-    on_doomed = [line for line in lines if f"on {urls[1]} was lost" in line]
-    assert pool.replayed == len(on_doomed) == len(lines) >= 1, lines
-    assert all(f"replayed in a new session on {urls[0]}" in line for line in on_doomed)
+        for disturbed in (False, True):
+            pool = client(urls, len(seeds), log=lines.append)
+            envs = KillsAServer(pool, doomed, urls[1]) if disturbed else pool
+            try:
+                episodes, _ = rollout(None, encoder, cfg, seeds, 1, envs=envs, decoder=ScriptedDecoder(encoder, script))
+            finally:
+                pool.close()
+            assert not disturbed or envs.killed
+            played.append([(ep.seed, [t.observation for t in ep.turns], [t.response for t in ep.turns],
+                            [t.reward for t in ep.turns], [[i.tobytes() for i in t.images] for t in ep.turns],
+                            ep.done, ep.success, ep.error) for ep in episodes])
+            metrics.append(rollout_metrics(episodes))
+    assert played[1] == played[0] and metrics[1] == metrics[0]
+    assert all(ep[-1] is None for ep in played[1]) and sum(len(ep[1]) for ep in played[1]) >= 12
+    # the sessions the kill took were replayed on the other server, each logged
+    assert pool.replayed == len(lines) >= 1, lines
+    assert all(f"on {urls[1]} was lost" in line and f"replayed in a new session on {urls[0]}" in line
+               for line in lines), lines
 
 
 def test_the_config_names_what_env_backend_http_needs(monkeypatch):
