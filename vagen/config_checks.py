@@ -254,9 +254,21 @@ def validate(cfg) -> None:
 
 def _check_env_backend(env: EnvConfig) -> None:
     """env.backend and its Ray settings (whether Ray is installed: `vagen.preflight.missing_packages`)."""
-    if env.backend not in ("process", "ray"):
-        raise ConfigError(f"env.backend={env.backend!r}{_closest(env.backend, ['process', 'ray'])} choices: process, ray")
+    if env.backend not in ("process", "ray", "http"):
+        raise ConfigError(f"env.backend={env.backend!r}{_closest(env.backend, ['process', 'ray', 'http'])} choices: "
+                          f"process, ray, http")
     if env.backend == "process":
+        return
+    if env.backend == "http":
+        if not env.urls or not all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in env.urls):
+            raise ConfigError(f"env.backend=http steps sessions on environment servers, but env.urls={env.urls!r}; "
+                              f"give their addresses, e.g. env.urls=[http://127.0.0.1:8000] (start one with python -m "
+                              f"vagen.env_server --config NAME --port 8000)")
+        if not env.http_timeout > 0:
+            raise ConfigError(f"env.http_timeout={env.http_timeout} must be > 0 seconds (120 is usual)")
+        if env.api_key_env is not None and (not isinstance(env.api_key_env, str) or not env.api_key_env.isidentifier()):
+            raise ConfigError(f"env.api_key_env={env.api_key_env!r} names an environment variable (e.g. GYM_API_KEY), "
+                              f"never the key itself: export the key in that variable")
         return
     if env.workers < 1:
         raise ConfigError("env.backend=ray runs env.workers Ray actors, but env.workers=0 steps the environments in "

@@ -98,7 +98,8 @@ class EnvConfig:
                          "trainer decodes; a worker that dies or hangs fails only the step it ran and is replaced; "
                          "0 = step them in the trainer's process")
     backend: str = _f("process", "what the env.workers are: process (local processes) | ray (Ray actors, on any node "
-                                 "of a Ray cluster; pip install -e \".[ray]\"); the same answers, timeouts and "
+                                 "of a Ray cluster; pip install -e \".[ray]\") | http (sessions on environment "
+                                 "servers, env.urls; pip install -e \".[http]\"); the same answers, timeouts and "
                                  "replacement either way")
     ray_address: str = _f("local", "env.backend=ray: local (a private Ray instance that each rank starts and stops "
                                    "itself) | auto (the cluster `ray start` runs on this node) | the address of a "
@@ -108,6 +109,18 @@ class EnvConfig:
                                  "so that actors run only on nodes started with ray start --resources")
     ray_start_timeout: float = _f(60.0, "env.backend=ray: seconds the actors may take to be placed and started "
                                         "before the run fails naming the resources it could not get")
+    urls: list = _f([], "env.backend=http: the environment servers (python -m vagen.env_server, or VAGEN-Lite's), e.g. "
+                        "[http://127.0.0.1:8000]; new sessions go to the one holding the fewest of this rank's")
+    api_key_env: str | None = _f(None, "env.backend=http: name of the environment variable holding the servers' key "
+                                       "(sent as X-API-Key); the key itself never goes in a config")
+    replay: bool = _f(True, "env.backend=http: a lost session (404, server gone, no answer) is rebuilt in a new one "
+                            "by replaying the episode's responses, each observation checked; false ends the episode "
+                            "instead (servers that are not deterministic)")
+    http_timeout: float = _f(120.0, "env.backend=http: seconds a request may wait for its answer; past it the "
+                                    "session counts as lost (env.replay)")
+    remote_config: dict = _f({}, "env.backend=http: the env_config sent to /connect in place of the environment's "
+                                 "parameters (for servers of other projects, e.g. {eval_set: base}); empty = "
+                                 "env.params with the prompt format, render mode, actions per turn and format reward")
 
 
 @dataclass

@@ -45,6 +45,11 @@ WORKER_START = 30.0
 
 def build_env(cfg_env, seed_env_params: dict | None = None):
     """The environment `env` config section describes (`envs_visual.make`)."""
+    return envs_visual.make(cfg_env.name, **env_params(cfg_env, seed_env_params))
+
+
+def env_params(cfg_env, seed_env_params: dict | None = None) -> dict:
+    """The parameters `build_env` makes the environment with (what env.backend=http sends to /connect)."""
     params = dict(cfg_env.params)
     params.setdefault("prompt_format", cfg_env.prompt_format)
     params.setdefault("render_mode", cfg_env.render_mode)
@@ -52,7 +57,7 @@ def build_env(cfg_env, seed_env_params: dict | None = None):
     params.setdefault("format_reward", cfg_env.format_reward)
     if seed_env_params:
         params.update(seed_env_params)
-    return envs_visual.make(cfg_env.name, **params)
+    return params
 
 
 class EnvFactory:

@@ -80,6 +80,9 @@ def missing_packages(cfg, trackers: bool = True) -> list[str]:
         problems.append("env.backend=ray runs the environments as Ray actors, but Ray is not installed in this "
                         "environment; pip install -e \".[ray]\" (on every node that runs environment actors too), "
                         "or set env.backend=process")
+    if cfg.env.backend == "http" and importlib.util.find_spec("httpx") is None:
+        problems.append("env.backend=http reaches environment servers with httpx, which is not installed in this "
+                        "environment; pip install -e \".[http]\", or set env.backend=process")
     if not trackers:
         return problems
     from vagen.trackers import missing_packages_error

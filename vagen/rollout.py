@@ -28,8 +28,13 @@ def make_env(cfg_env, seed_env_params: dict | None = None):
 
 def make_envs(cfg_env, count: int, owner: str | None = None):
     """A run's `count` environments: built here (`env.workers=0`), or held by `env.workers` processes
-    (`EnvWorkers`) or Ray actors (`env.backend=ray`, `vagen.env_ray.RayEnvWorkers`, whose namespace `owner`,
-    a run and rank, names), which live until `close_envs`."""
+    (`EnvWorkers`), Ray actors (`env.backend=ray`, `vagen.env_ray.RayEnvWorkers`, whose namespace `owner`,
+    a run and rank, names) or sessions on environment servers (`env.backend=http`, `vagen.env_http`), which
+    live until `close_envs`."""
+    if cfg_env.backend == "http":
+        from vagen.env_http import HttpEnvWorkers  # httpx is an optional dependency
+
+        return HttpEnvWorkers.from_config(cfg_env, count)
     if cfg_env.workers > 0 and cfg_env.backend == "ray":
         from vagen.env_ray import RayEnvWorkers  # Ray is an optional dependency
 
