@@ -331,3 +331,7 @@ class LogConfig:
     progress: bool = _f(True, "show a progress bar")
     trackers: list[str] = _f(["tensorboard"], "where metrics go besides metrics.jsonl: any of tensorboard (needs "
                                               "log.tensorboard=true), wandb, mlflow, trackio (vagen.trackers)")
+    frame_check_every: int = _f(-1, "every N iterations, score the batch's responses again with frames swapped between "
+                                    "level groups and log rollout/frame_gap (nats per turn) and frame_gap_positive "
+                                    "(vagen.frame_check); 0 = never; -1 = every iteration for a visual config, never "
+                                    "for a text one")
