@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     run = RunDir.create(cfg, dist)
     is_main_process = dist.rank == 0
     models = build_models(cfg, dist, run, is_main_process)
-    monitor = core.CollapseMonitor()
+    monitor = core.CollapseMonitor(frame_gap_floor=cfg.log.frame_gap_floor)
     rewarder = state_rewarder(cfg, dist)
     # What a resumed run must restore besides the engines (the state reward's recent descriptions).
     tracked = {"state_reward": rewarder.tracker} if rewarder is not None else {}
