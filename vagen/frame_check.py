@@ -225,3 +225,59 @@ def eval_frame_gap(model, encoder, cfg, episodes: list, dist=None) -> dict[str, 
     sums = frame_gaps(model, samples, own, cfg.eval.sample_seed * 1_009 + rank, temperature, encoder.pad_id,
                       device, cfg.train.micro_batch_size, encoder.suppress_ids)
     return gap_metrics(_all_ranks(sums), prefix="")
+
+
+class DecoyFrames:
+    """An environment whose observations show another level's frames (`python -m vagen.eval --decoy-frames`):
+    the text, rewards and success are those of the level played, each image that of `decoy` (an environment of
+    the same config), reset on `decoy_seed` and stepped with the same responses, so that its frames are those
+    the agent would see had it acted the same way on that level (held at its last frame once its episode ends).
+    Closed-loop success with them, beside success with the level's own, is what the policy's reading of its
+    frames is worth; a frame is never blank (out of distribution, it misleads)."""
+
+    def __init__(self, env, decoy, decoy_seed: int):
+        self.env, self.decoy, self.decoy_seed = env, decoy, decoy_seed
+        self.decoy_images: list = []
+        self.decoy_over = False
+
+    def __getattr__(self, name):  # everything else is the played environment's
+        return getattr(self.__dict__["env"], name)
+
+    def _shown(self, obs):
+        if not obs.images:
+            return obs
+        if not self.decoy_images:
+            raise ValueError(f"the decoy level {self.decoy_seed} shows no frame where the played level shows "
+                             f"{len(obs.images)}; --decoy-frames needs a visual environment (env.render_mode=vision)")
+        images = []
+        for k, own in enumerate(obs.images):
+            image = self.decoy_images[k % len(self.decoy_images)]
+            images.append(image if image.size == own.size else image.resize(own.size))
+        return dataclasses.replace(obs, images=images)
+
+    def reset(self, seed=None):
+        obs, info = self.env.reset(seed=seed)
+        decoy_obs, _ = self.decoy.reset(seed=self.decoy_seed)
+        self.decoy_images, self.decoy_over = list(decoy_obs.images), False
+        return self._shown(obs), info
+
+    def step(self, response: str):
+        obs, reward, terminated, truncated, info = self.env.step(response)
+        if not self.decoy_over:
+            decoy_obs, _, over, cut, _ = self.decoy.step(response)
+            self.decoy_images = list(decoy_obs.images) or self.decoy_images
+            self.decoy_over = over or cut
+        return self._shown(obs), reward, terminated, truncated, info
+
+    def close(self):
+        for env in (self.env, self.decoy):
+            if hasattr(env, "close"):
+                env.close()
+
+
+def decoy_seeds(seeds: list[int]) -> dict[int, int]:
+    """Each evaluation seed's decoy: the next seed of the list, the last's the first (of one seed, the next
+    evaluation seed after it)."""
+    if len(seeds) == 1:
+        return {seeds[0]: seeds[0] + 1}
+    return {seed: seeds[(k + 1) % len(seeds)] for k, seed in enumerate(seeds)}
