@@ -149,3 +149,32 @@ def test_the_check_scores_every_turn_of_a_real_models_episodes(played):
     metrics = eval_frame_gap(model, encoder, cfg, episodes)
     assert metrics["frame_gap_turns"] == turns and math.isfinite(metrics["frame_gap"])
     assert 0.0 <= metrics["frame_gap_positive"] <= 1.0
+
+
+def test_decoy_frames_show_another_levels_frames_beside_the_played_levels_text():
+    import envs_visual
+    from vagen.frame_check import DecoyFrames, decoy_seeds
+
+    assert decoy_seeds([5, 6, 7]) == {5: 6, 6: 7, 7: 5} and decoy_seeds([9]) == {9: 10}
+    params = load_config("frozenlake_visual").env.params
+    wrapped = DecoyFrames(envs_visual.make("frozenlake", **params), envs_visual.make("frozenlake", **params), 22)
+    own, decoy = envs_visual.make("frozenlake", **params), envs_visual.make("frozenlake", **params)
+    shown, _ = wrapped.reset(seed=21)
+    obs, _ = own.reset(seed=21)
+    other, _ = decoy.reset(seed=22)
+    assert shown.text == obs.text and len(shown.images) == 1
+    assert shown.images[0].tobytes() == other.images[0].tobytes() != obs.images[0].tobytes()
+    response = "<think>go</think><answer>Right</answer>"
+    shown, reward, *_ = wrapped.step(response)
+    obs, expected, *_ = own.step(response)
+    other, *_ = decoy.step(response)
+    assert shown.text == obs.text and reward == expected  # the played level's text and reward
+    assert shown.images[0].tobytes() == other.images[0].tobytes()  # the decoy level after the same move
+    assert wrapped.system_prompt() == own.system_prompt()
+
+
+def test_decoy_frames_of_a_text_config_are_refused(capsys):
+    from vagen.eval import main
+
+    assert main(["--config", "sokoban_text", "--checkpoint", "assets:sokoban_text", "--decoy-frames"]) == 2
+    assert "--decoy-frames swaps the frames of a visual environment" in capsys.readouterr().err
