@@ -178,3 +178,23 @@ def test_decoy_frames_of_a_text_config_are_refused(capsys):
 
     assert main(["--config", "sokoban_text", "--checkpoint", "assets:sokoban_text", "--decoy-frames"]) == 2
     assert "--decoy-frames swaps the frames of a visual environment" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two ranks under the DeepSpeed launcher: about 45 CPU-seconds, minutes on a loaded machine
+def test_the_check_under_zero3_on_two_ranks_is_the_whole_models(tmp_path, model_cache):
+    """tests/frame_check_worker.py: rank 0 scores three level groups, rank 1 none; under ZeRO-3 both run the same
+    forward passes, and the metrics are those of the whole model on each rank, added over the ranks."""
+    from pathlib import Path
+
+    from test_zero3 import _launch
+
+    _launch(2, tmp_path, model_cache, Path(__file__).parent / "frame_check_worker.py", timeout=300)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    assert ranks[1]["whole"] == {} and ranks[0]["whole"][""][2] == 12  # 6 episodes of 2 turns
+    assert ranks[0]["forwards"] == ranks[1]["forwards"] > 0, [r["forwards"] for r in ranks]
+    expected = gap_metrics(ranks[0]["whole"])
+    for rank in ranks:
+        metrics = {k: v for k, v in rank["metrics"].items() if not k.startswith("timing/")}
+        assert metrics.keys() == expected.keys()
+        for key, value in expected.items():
+            assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-4), key
