@@ -198,3 +198,27 @@ def test_the_check_under_zero3_on_two_ranks_is_the_whole_models(tmp_path, model_
         assert metrics.keys() == expected.keys()
         for key, value in expected.items():
             assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-4), key
+
+
+@pytest.mark.parametrize("name", ["builtin:tiny-qwen3-vl", "builtin:tiny-qwen3.5"])
+def test_the_check_scores_the_frames_of_each_model_family(name, model_cache):
+    """Qwen3-VL and Qwen3.5 lay out their frames' patches as Qwen2.5-VL does (one row per patch, image_grid_thw per
+    frame): frames swapped between two groups change the log-probs, the same frames in both change nothing."""
+    from vagen.episode import ChatEncoder
+    from vagen.models import load_policy, resolve_model_path
+    from vagen.rollout import rollout
+    from vagen.trajectory import episode_samples
+
+    model, processor = load_policy(resolve_model_path(name, model_cache, seed=0))
+    encoder = ChatEncoder(processor)
+    cfg = load_config("sokoban_visual", [f"model.path={name}", "rollout.max_turns=2", "rollout.max_new_tokens=4"])
+    episodes, _ = rollout(model, encoder, cfg, [11, 12], group_size=1, sample_seed=3)
+    samples = [s for k, ep in enumerate(episodes) for s in episode_samples(ep, encoder, model, k)]
+    turns = sum(len(ep.turns) for ep in episodes)
+    gap, positive, scored = frame_gaps(model, samples, _own(model, encoder, samples), 0, 0.7, encoder.pad_id, "cpu",
+                                       2, encoder.suppress_ids)[""]
+    assert scored == turns and math.isfinite(gap) and gap != 0.0
+    first = samples[0].pixel_values.split(int(samples[0].image_grid_thw[0].prod()))[0]
+    same = [dataclasses.replace(s, pixel_values=first.repeat(len(s.image_grid_thw), 1)) for s in samples]
+    assert frame_gaps(model, same, _own(model, encoder, same), 0, 0.7, encoder.pad_id, "cpu", 2,
+                      encoder.suppress_ids) == {"": [0.0, 0.0, float(turns)]}
