@@ -84,6 +84,24 @@ def test_a_card_records_success_with_its_own_and_with_decoy_frames_and_the_frame
         assert frames["decoy greedy"]["interval_95"][1] < frames["greedy"]["interval_95"][0], frames
 
 
+@pytest.mark.slow  # 64 levels played twice and scored: 25 to 60 CPU-seconds each
+@pytest.mark.parametrize("name", sorted(FRAME_CARDS))
+def test_a_cards_frame_entry_is_what_the_script_measures(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "card_frames.py"
+    spec = importlib.util.spec_from_file_location("card_frames", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    frames = _card(name)["frames"]
+    measured = script.add_frames(name, frames["levels"], write=False)
+    for key in ("greedy", "decoy greedy", "frame_gap_turns"):
+        assert measured[key] == frames[key], key
+    assert measured["frame_gap"] == pytest.approx(frames["frame_gap"], abs=1e-3)
+    assert measured["frame_gap_positive"] == pytest.approx(frames["frame_gap_positive"], abs=1e-3)
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_a_shipped_warm_start_loads_with_the_auto_classes_and_answers_in_the_format(name):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
