@@ -123,6 +123,30 @@ def test_monitor_format_collapse_uses_peak():
     ]
 
 
+NOT_LOOKING = ("step {step}: the policy does not look at its frames: frame_gap {gap} nats/turn < floor 3 while "
+               "format_ok {format_ok} >= 0.8 (its responses are about as likely with another level's frames; "
+               "docs/algorithms.md, \"Does the policy look?\")")
+
+
+def test_monitor_warns_when_a_policy_in_the_format_stops_looking():
+    monitor = CollapseMonitor(frame_gap_floor=3.0, format_high=0.8)
+    assert monitor.update({"frame_gap": 9.1, "format_ok": 1.0}) == []  # reads (FrozenLake's warm start)
+    assert monitor.update({"frame_gap": 3.0, "format_ok": 1.0}) == []  # at the floor, not below
+    assert monitor.update({"frame_gap": 1.3, "format_ok": 0.96}) == [NOT_LOOKING.format(step=2, gap=1.3,
+                                                                                          format_ok=0.96)]
+    assert monitor.update({"frame_gap": 0.9, "format_ok": 0.97}) == []  # still below: warned once
+    assert monitor.update({"format_ok": 0.97}) == []  # an iteration without a check
+    assert monitor.update({"frame_gap": 4.0, "format_ok": 0.97}) == []  # looks again
+    assert monitor.update({"frame_gap": -0.5, "format_ok": 0.8}) == [NOT_LOOKING.format(step=6, gap=-0.5,
+                                                                                         format_ok=0.8)]
+    # answers that mostly do not parse: no frame warning (the format's own indicator speaks), whatever the gap
+    fresh = CollapseMonitor()
+    assert fresh.update({"frame_gap": 0.1, "format_ok": 0.79}) == [] and fresh.update({"frame_gap": 0.1}) == []
+    # a blind start warns at the first check
+    assert CollapseMonitor().update({"frame_gap": 1.33, "format_ok": 0.96}) == [
+        NOT_LOOKING.format(step=0, gap=1.33, format_ok=0.96)]
+
+
 def test_monitor_loads_a_state_saved_before_the_format_indicator():
     monitor = CollapseMonitor()
     monitor.load_state_dict({"grad_norms": [1.0], "stds": [0.5], "entropy_peak": 2.0, "step": 7})
@@ -156,3 +180,8 @@ def test_monitor_state_round_trips():
     spike = {"grad_norm": 10.0, "entropy_mean": 0.1, "reward_std_in_group": 0.0, "format_ok": 0.2}
     assert first.update(dict(spike)) == second.update(dict(spike))
     assert len(second.update(dict(spike))) == 4  # all four indicators fire
+    below = {"frame_gap": 0.5, "format_ok": 1.0}
+    assert len(first.update(dict(below))) == 1
+    third = CollapseMonitor()
+    third.load_state_dict(first.state_dict())
+    assert third.update(dict(below)) == first.update(dict(below)) == []  # the warning is not repeated

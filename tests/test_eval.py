@@ -16,7 +16,7 @@ def test_evaluating_the_tiny_model_writes_results_with_reference_rows_and_videos
     path, _, _ = tiny_vl
     out = tmp_path / "eval"
     assert main(["--config", "sokoban_visual", "--checkpoint", str(path), "--episodes", "4", "--videos", "1",
-                 "--out", str(out), "rollout.max_new_tokens=16"]) == 0
+                 "--out", str(out), "--decoy-frames", "rollout.max_new_tokens=16"]) == 0
     printed = capsys.readouterr()
     assert f"evaluating {path} on 4 held-out sokoban episodes" in printed.out
     assert "eval: 100%" in printed.err and "4/4" in printed.err  # the progress bar, with its total
@@ -36,6 +36,14 @@ def test_evaluating_the_tiny_model_writes_results_with_reference_rows_and_videos
     assert 0.0 <= low <= result["model"]["success"] <= high <= 1.0
     table = (out / "results.md").read_text()
     assert "| model | 4 |" in table and "| random | 4 |" in table and "| solver | 4 |" in table
+    # the frame gap over every turn of the episodes (each its own group), and the levels played with decoy frames
+    model = result["model"]
+    assert model["frame_gap_turns"] == sum(r["turns"] for r in result["episodes"])
+    assert 0.0 <= model["frame_gap_positive"] <= 1.0 and f"{model['frame_gap']:.2f} nats/turn" in table
+    decoy = result["decoy_frames"]
+    assert decoy["episodes"] == 4 and model["decoy_success"] == decoy["success"]
+    assert decoy["success_ci95"][0] <= decoy["success"] <= decoy["success_ci95"][1]
+    assert "| model, decoy frames | 4 |" in table
     videos = sorted((out / "videos").iterdir())
     assert [v.suffix for v in videos] == [".gif", ".mp4"]
     assert videos[0].name.startswith("sokoban_seed1000000000_")

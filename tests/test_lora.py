@@ -50,6 +50,9 @@ def lora_run(tmp_path_factory, distributed):
     run_dir = tmp_path_factory.mktemp("lora_runs")
     run, models = _train(run_dir, "lora")
     assert [r["iteration"] for r in _metrics(run)] == [0, 1]
+    # the frame check through the adapted model: every turn of the 4 episodes scored in each iteration
+    assert all(math.isfinite(r["rollout/frame_gap"]) and r["rollout/frame_gap_turns"] == 4 * r["rollout/turns"]
+               for r in _metrics(run))
     cfg = load_config("sokoban_visual", [*FAST, *LORA])
     base_path = json.loads((run / "checkpoints" / "step_2" / "actor" / "adapter_config.json").read_text())[
         "base_model_name_or_path"]

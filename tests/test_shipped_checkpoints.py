@@ -57,6 +57,51 @@ def test_a_shipped_warm_start_is_complete_and_says_how_it_was_built(name):
             assert row["n"] == 256 and low <= row["success"] <= high, (task, row)
 
 
+# The cards that record frame dependence (scripts/card_frames.py), and whether each warm start reads its frames:
+# its frame gap at least the collapse monitor's floor, and decoy frames costing it success (docs/algorithms.md).
+FRAME_CARDS = {"frozenlake_visual": True, "sokoban_visual": True}
+
+
+def test_the_cards_that_record_frame_dependence_are_exactly_those_named():
+    assert sorted(name for name in SHIPPED if "frames" in _card(name)) == sorted(FRAME_CARDS)
+
+
+@pytest.mark.parametrize("name", sorted(FRAME_CARDS))
+def test_a_card_records_success_with_its_own_and_with_decoy_frames_and_the_frame_gap(name):
+    from vagen.config import LogConfig
+
+    frames = _card(name)["frames"]
+    assert frames["command"] == f"python scripts/card_frames.py {name} --levels {frames['levels']}"
+    assert frames["levels"] == 64 and frames["code_revision"]
+    for key in ("greedy", "decoy greedy"):
+        row = frames[key]
+        low, high = row["interval_95"]
+        assert row["n"] == 64 and row["success"] == row["successes"] / 64 and low <= row["success"] <= high, row
+    assert frames["frame_gap_turns"] > 0 and 0 <= frames["frame_gap_positive"] <= 1
+    reads = frames["frame_gap"] >= LogConfig().frame_gap_floor
+    assert reads == FRAME_CARDS[name], frames
+    if reads:  # another level's frames cost a reading policy success: the intervals do not overlap
+        assert frames["decoy greedy"]["interval_95"][1] < frames["greedy"]["interval_95"][0], frames
+
+
+@pytest.mark.slow  # 64 levels played twice and scored: 25 to 60 CPU-seconds each
+@pytest.mark.parametrize("name", sorted(FRAME_CARDS))
+def test_a_cards_frame_entry_is_what_the_script_measures(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "card_frames.py"
+    spec = importlib.util.spec_from_file_location("card_frames", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    frames = _card(name)["frames"]
+    measured = script.add_frames(name, frames["levels"], write=False)
+    for key in ("greedy", "decoy greedy", "frame_gap_turns"):
+        assert measured[key] == frames[key], key
+    assert measured["frame_gap"] == pytest.approx(frames["frame_gap"], abs=1e-3)
+    assert measured["frame_gap_positive"] == pytest.approx(frames["frame_gap_positive"], abs=1e-3)
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_a_shipped_warm_start_loads_with_the_auto_classes_and_answers_in_the_format(name):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText

@@ -329,6 +329,11 @@ def test_multitask_visual_trains_an_iteration_with_per_task_success(tmp_path, mo
     assert record["rollout/reward_mean"] == pytest.approx(sum(weights[t] * record[f"rollout/{t}/reward_mean"]
                                                               for t in tasks) / 8)
     assert record["rollout/filter_total_groups"] == 4.0 and "actor/pg_loss" in record
+    # the frame check swaps within a task: Sokoban's 2 groups are scored with each other's frames; FrozenLake and
+    # navigation have one group each here, so nothing of theirs is scored
+    assert record["rollout/sokoban_visual/frame_gap_turns"] == 4.0 and record["rollout/frame_gap_turns"] == 4.0
+    assert record["rollout/frame_gap"] == record["rollout/sokoban_visual/frame_gap"]
+    assert "rollout/frozenlake_visual/frame_gap" not in record and "rollout/navigation_visual/frame_gap" not in record
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert [t["name"] for t in saved["rollout"]["tasks"]] == list(tasks)
     assert from_dict(saved, "multitask_visual") == load_configs("multitask_visual", overrides)

@@ -1,4 +1,5 @@
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,19 @@ def _metrics(run):
 # multitask_visual's tasks share out level groups in proportions FAST's 2 groups do not meet (tests/test_tasks.py)
 @pytest.mark.parametrize("config", [name for name in available_configs() if name != "multitask_visual"])
 def test_two_iterations_of_each_config(config, tmp_path, model_cache, distributed):
-    run, overrides = _run(config, tmp_path, model_cache)
+    # navigation's frame check asked for explicitly, the other configs' as their defaults have it
+    run, overrides = _run(config, tmp_path, model_cache, *["log.frame_check_every=1"] * (config == "navigation_visual"))
     records = _metrics(run)
     assert [r["iteration"] for r in records] == [0, 1]
+    # the frame check in every iteration of a visual config (two level groups: each scored with the other's frames)
+    visual = load_config(config).env.render_mode == "vision"
+    for record in records:
+        for key in ("rollout/frame_gap", "rollout/frame_gap_positive"):
+            assert (key in record) == visual, (key, record["iteration"])
+        if visual:
+            assert math.isfinite(record["rollout/frame_gap"]) and 0 <= record["rollout/frame_gap_positive"] <= 1
+            # every turn of the 4 episodes (2 groups of 2)
+            assert record["rollout/frame_gap_turns"] == pytest.approx(4 * record["rollout/turns"])
     for key in ("rollout/success", "rollout/reward_mean", "rollout/in_group_reward_std", "rollout/response_length",
                 "rollout/format_ok", "rollout/action_valid", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
                 "actor/clipfrac", "actor/approx_kl", "timing/generate", "timing/update"):
@@ -219,6 +230,7 @@ def test_zero3_trains_and_saves_one_model_on_a_cpu(tmp_path, model_cache, distri
                   "model.dtype=bfloat16")
     last = _metrics(run)[-1]
     assert math.isfinite(last["actor/pg_loss"]) and math.isfinite(last["critic/vf_loss"]) and last["actor/grad_norm"] > 0
+    assert math.isfinite(last["rollout/frame_gap"])  # the frame check's forward under ZeRO-3
     assert (run / "checkpoints" / "step_2" / "actor" / "model.safetensors").exists()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -553,6 +554,14 @@ def _check_vllm_training(records: list[dict]) -> None:
 def test_training_with_vllm_on_one_rank(standard_vl, tmp_path):
     records = _train(tmp_path, 1, "sokoban_visual", f"model.path={standard_vl}", *FAST_TRAINING)
     _check_vllm_training(records)
+    _check_frame_check(records)
+
+
+def _check_frame_check(records: list[dict]) -> None:
+    """The frame check on the trainer's model scored every turn vLLM played (2 groups of 2), in every iteration."""
+    for record in records:
+        assert math.isfinite(record["rollout/frame_gap"]) and 0 <= record["rollout/frame_gap_positive"] <= 1
+        assert record["rollout/frame_gap_turns"] == pytest.approx(4 * record["rollout/turns"]), record
 
 
 def test_training_with_vllm_and_per_turn_samples(standard_vl, tmp_path):
@@ -562,6 +571,7 @@ def test_training_with_vllm_and_per_turn_samples(standard_vl, tmp_path):
                      "rollout.max_turns=3", "rollout.context=window", "rollout.window_turns=1")
     _check_vllm_training(records)
     assert all(record["rollout/turns"] > 2 for record in records)  # the window slid
+    _check_frame_check(records)  # per-turn samples: each turn's window with another group's frames
 
 
 @pytest.mark.parametrize("zero", ["zero0", pytest.param("zero3", marks=pytest.mark.slow)])

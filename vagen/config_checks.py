@@ -219,6 +219,7 @@ def validate(cfg) -> None:
                           f"below 1 shrinks every on-policy token's gradient); use e.g. 2.0")
     _check_vllm(cfg)
     _check_trackers(cfg.log.trackers)
+    _check_frame_check(cfg)
     if cfg.env.step_timeout is not None and not cfg.env.step_timeout > 0:
         raise ConfigError(f"env.step_timeout={cfg.env.step_timeout} must be > 0 seconds, or null for no limit")
     if cfg.env.workers < 0:
@@ -478,6 +479,18 @@ def check_ranks(cfg, world_size: int) -> None:
                           f"ranks that train them; raise rollout.env_groups or algo.filter_keep_ratio so that at "
                           f"least {world_size} groups are kept")
     check_vllm_ranks(cfg, world_size)
+
+
+def _check_frame_check(cfg) -> None:
+    """log.frame_check_every: -1 (auto), 0 (never) or a period; a period only where the policy sees frames."""
+    every = cfg.log.frame_check_every
+    if every < -1:
+        raise ConfigError(f"log.frame_check_every={every} must be -1 (every iteration for a visual config), 0 (never) "
+                          f"or a period of iterations >= 1")
+    if every > 0 and not cfg.rollout.tasks and cfg.env.render_mode != "vision":
+        raise ConfigError(f"log.frame_check_every={every} swaps the frames of a visual environment, but "
+                          f"env.render_mode={cfg.env.render_mode} shows none; set log.frame_check_every=0 (or -1, "
+                          f"which is off for text)")
 
 
 def check_training(cfg) -> None:

@@ -346,3 +346,10 @@ class LogConfig:
     progress: bool = _f(True, "show a progress bar")
     trackers: list[str] = _f(["tensorboard"], "where metrics go besides metrics.jsonl: any of tensorboard (needs "
                                               "log.tensorboard=true), wandb, mlflow, trackio (vagen.trackers)")
+    frame_check_every: int = _f(-1, "every N iterations, score the batch's responses again with frames swapped between "
+                                    "level groups and log rollout/frame_gap (nats per turn) and frame_gap_positive "
+                                    "(vagen.frame_check); 0 = never; -1 = every iteration for a visual config, never "
+                                    "for a text one")
+    frame_gap_floor: float = _f(3.0, "the collapse monitor warns when rollout/frame_gap falls below this many nats "
+                                     "per turn while rollout/format_ok stays >= 0.8: a policy that answers without "
+                                     "looking (calibrated on the built-in warm starts: docs/algorithms.md)")

@@ -8,6 +8,7 @@
     python -m vagen.eval --checkpoint runs/<run> --task frozenlake_visual   (one task of a run over several)
     python -m vagen.eval --config sokoban_visual --policy openai --base-url http://127.0.0.1:8000/v1 \
         --model NAME [--api-key-env OPENAI_API_KEY] [--seeds 0,1,2 | --seeds FILE]   (a served or API model)
+    python -m vagen.eval --checkpoint runs/<run> --decoy-frames   (also success with another level's frames)
 
 A checkpoint inside a run directory is evaluated with the run's own config (`runs/<run>/config.yaml`:
 its tokens per turn, turns, dtype, environment), the settings it was trained with. `--config` replaces
@@ -18,7 +19,10 @@ Writes `results.json` and a Markdown table `results.md` into the output director
 `<checkpoint>/eval`, for a shipped warm start `<train.run_dir>/eval/NAME`), and episode videos
 (mp4 + GIF) under `videos/`, and the episode browser `index.html` with its `frames/` (vagen.browse).
 Seeds are the evaluation seeds (>= 1e9), disjoint from every training seed, unless `--seeds` lists the
-levels (to play the episode set of another evaluation). Decoding is greedy unless `eval.do_sample=true`.
+levels (to play the episode set of another evaluation). Decoding is greedy unless `eval.do_sample=true`. For
+a visual environment the results hold the frame gap (`vagen.frame_check`): how much likelier the episodes'
+responses are with their own frames than with another episode's (a checkpoint's only); with
+`--decoy-frames`, success when every observation shows another level's frames, beside success with its own.
 
 `--policy openai` evaluates a model behind an OpenAI-compatible chat API instead of a checkpoint
 (`vagen.api_policy`: messages, retries, model errors), on the config's environment and with its turns,
@@ -145,19 +149,27 @@ def _gather(items: list, dist) -> list:
 
 
 def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0, dist=None,
-             with_baselines: bool = True, desc: str | None = None, decoder=None, seeds: list[int] | None = None) -> dict:
+             with_baselines: bool = True, desc: str | None = None, decoder=None, seeds: list[int] | None = None,
+             decoy_frames: bool = False) -> dict:
     """Play `episodes` held-out episodes (split across ranks), or the levels `seeds` when given, write results
     and videos, return the model's summary (and the reference rows under "reference"). `model` None: the
     decoder plays without one (a served model, `vagen.api_policy.APIDecoder`). A sampled evaluation
     (`eval.do_sample`) draws from `eval.sample_seed` + rank: the same checkpoint on the same number
     of ranks plays the same episodes, and the caller's random state is left as it was. With `desc`,
     a progress bar of that name counts this rank's episodes as they end. `decoder`: the engine to decode
-    with (default: `rollout.backend` over `model`)."""
+    with (default: `rollout.backend` over `model`).
+
+    A visual environment's summary holds the frame gap of the episodes when a model is evaluated
+    (`vagen.frame_check.eval_frame_gap`: frame_gap, frame_gap_positive, frame_gap_turns); with `decoy_frames`
+    the same levels are played again with each observation's frames from another evaluation level
+    (`vagen.frame_check.DecoyFrames`), whose success is `decoy_frames` in results.json, a row of results.md
+    and decoy_success[_ci95] in the summary."""
     from vagen.api_policy import APIDecoder
     from vagen.browse import episode_data, write_browser
     from vagen.console import progress_bar
     from vagen.decoding import own_draws
     from vagen.episode import eval_seeds
+    from vagen.frame_check import eval_frame_gap
     from vagen.rollout import make_env, rollout
 
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
@@ -178,6 +190,9 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
                             progress=bar, decoder=decoder, sample_seed=cfg.eval.sample_seed + rank)
     if bar is not None:
         bar.close()
+    visual = cfg.env.render_mode == "vision"
+    gap = eval_frame_gap(model, encoder, cfg, played, dist) if visual and model is not None else {}
+    decoys = play_with_decoys(model, encoder, cfg, seeds, mine, decoder, dist) if decoy_frames else None
     if model is not None:
         model.train(was_training)
     records = [episode_record(ep.seed, [{"reward": t.reward, "info": t.info, "length": t.response_length}
@@ -204,7 +219,11 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
     browsed = _gather(episode_data(played), dist)  # every rank's turns and frames, for the episode browser
     for policy in references:
         references[policy] = _gather(references[policy], dist)
-    summary = summarize(records)
+    summary = {**summarize(records), **gap}
+    decoy = None
+    if decoys is not None:
+        decoy = summarize(sorted(_gather(decoys, dist), key=lambda r: r["seed"]))
+        summary.update(decoy_success=decoy["success"], decoy_success_ci95=decoy["success_ci95"])
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         reference_rows = {p: summarize(rows) for p, rows in references.items() if rows}
@@ -215,17 +234,41 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
             result["seed_list"] = seeds
         if served:
             result["policy"] = decoder.settings.describe()
+        if decoy is not None:
+            result["decoy_frames"] = decoy
         (out_dir / "results.json").write_text(json.dumps(result, indent=2))
-        (out_dir / "results.md").write_text(results_table(cfg.env.name, summary, reference_rows))
+        (out_dir / "results.md").write_text(results_table(cfg.env.name, summary, reference_rows, decoy))
         write_browser(out_dir, cfg, browsed)
     summary = dict(summary)
     summary["videos"] = len(written)
     return summary
 
 
+def play_with_decoys(model, encoder, cfg, seeds: list[int], mine: list[int], decoder, dist=None) -> list[dict]:
+    """This rank's levels `mine` played again, each observation showing the frames of another evaluation level
+    (`vagen.frame_check.decoy_seeds` over all the evaluation's `seeds`); their episode records."""
+    from vagen.decoding import own_draws
+    from vagen.frame_check import DecoyFrames, decoy_seeds
+    from vagen.rollout import make_env, rollout
+
+    rank, device = (dist.rank, dist.device) if dist is not None else (0, None)
+    decoy_of = decoy_seeds(seeds)
+    envs = [DecoyFrames(make_env(cfg.env), make_env(cfg.env), decoy_of[seed]) for seed in mine]
+    try:
+        with own_draws(cfg.eval.sample_seed + rank, device):
+            played, _ = rollout(model, encoder, cfg, mine, group_size=1, do_sample=cfg.eval.do_sample, envs=envs,
+                                decoder=decoder, sample_seed=cfg.eval.sample_seed + rank)
+    finally:
+        for env in envs:
+            env.close()
+    return [episode_record(ep.seed, [{"reward": t.reward, "info": t.info, "length": t.response_length}
+                                     for t in ep.turns], ep.success) for ep in played]
+
+
 def evaluate_tasks(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0, dist=None,
                    with_baselines: bool = True, desc: str | None = None, decoder=None,
-                   tasks: list[str] | None = None, seeds: list[int] | None = None) -> dict:
+                   tasks: list[str] | None = None, seeds: list[int] | None = None,
+                   decoy_frames: bool = False) -> dict:
     """`evaluate` on each task of rollout.tasks (`tasks`: those named, default all), each on `episodes` of its own
     held-out levels under its own environment config, into `out_dir/<task>` (results, videos and episode browser
     of its own); `out_dir/results.md` and `results.json` hold every task's row. Returns the summary with each
@@ -234,13 +277,15 @@ def evaluate_tasks(model, encoder, cfg, episodes: int, out_dir: Path, videos: in
     from vagen.config import task_configs
 
     if not cfg.rollout.tasks:
-        return evaluate(model, encoder, cfg, episodes, out_dir, videos, dist, with_baselines, desc, decoder, seeds)
+        return evaluate(model, encoder, cfg, episodes, out_dir, videos, dist, with_baselines, desc, decoder, seeds,
+                        decoy_frames)
     out_dir, summary, rows = Path(out_dir), {"videos": 0}, {}
     for name, sub in task_configs(cfg):
         if tasks and name not in tasks:
             continue
         part = evaluate(model, encoder, sub, episodes, out_dir / name, videos, dist, with_baselines,
-                        f"{desc} {name}" if desc else None, decoder, seeds)
+                        f"{desc} {name}" if desc else None, decoder, seeds,
+                        decoy_frames and sub.env.render_mode == "vision")
         rows[name] = part
         summary["videos"] += part.pop("videos")
         summary.update({f"{name}/{key}": value for key, value in part.items()})
@@ -262,7 +307,7 @@ def evaluate_tasks(model, encoder, cfg, episodes: int, out_dir: Path, videos: in
     return summary
 
 
-def results_table(env_name: str, model: dict, references: dict) -> str:
+def results_table(env_name: str, model: dict, references: dict, decoy: dict | None = None) -> str:
     header = ("| policy | episodes | success (95% CI) | return | turns | actions | format ok | action valid "
               "| response length |\n|---|---|---|---|---|---|---|---|---|\n")
 
@@ -275,12 +320,17 @@ def results_table(env_name: str, model: dict, references: dict) -> str:
                 f"{fmt(s['turns'])} | {fmt(s['actions'])} | {fmt(s['format_ok'])} | {fmt(s['action_valid'])} | "
                 f"{fmt(s['response_length'], 1)} |\n")
 
-    body = row("model", model) + "".join(row(name, s) for name, s in references.items())
-    errors = ""
+    body = row("model", model) + (row("model, decoy frames", decoy) if decoy is not None else "")
+    body += "".join(row(name, s) for name, s in references.items())
+    table = f"### {env_name}\n\n{header}{body}"
     if model.get("model_errors"):
-        errors = (f"\n{model['model_errors']} more episode(s) ended as model errors (the served model's requests "
+        table += (f"\n{model['model_errors']} more episode(s) ended as model errors (the served model's requests "
                   f"failed on every try): left out of the model's row; results.json names them.\n")
-    return f"### {env_name}\n\n{header}{body}{errors}"
+    if model.get("frame_gap") is not None:
+        table += (f"\nFrame gap (responses scored with their own frames against another episode's): "
+                  f"{model['frame_gap']:.2f} nats/turn, positive on {model['frame_gap_positive']:.2f} of "
+                  f"{model['frame_gap_turns']:.0f} turns.\n")
+    return table
 
 
 def think_with_scores(info: dict) -> str:
@@ -449,6 +499,17 @@ def parse_seeds(value: str) -> list[int]:
     return seeds
 
 
+def check_decoy_frames(cfg, decoy_frames: bool) -> None:
+    """`--decoy-frames`: an environment (or a task) that shows frames."""
+    from vagen.config import ConfigError
+    from vagen.frame_check import is_visual
+
+    if decoy_frames and not is_visual(cfg):
+        raise ConfigError(f"--decoy-frames swaps the frames of a visual environment, but config {cfg.name} plays "
+                          f"{cfg.env.name} with env.render_mode={cfg.env.render_mode}, which shows none; leave "
+                          f"--decoy-frames out")
+
+
 def _suggested_config(checkpoint: Path) -> str:
     """The config a shipped warm start's card names, else a config name to show as an example."""
     card = checkpoint / "card.json"
@@ -496,6 +557,9 @@ def main(argv=None) -> int:
     parser.add_argument("--task", default=None, action="append",
                         help="a config with rollout.tasks: evaluate this task only (its name in metrics, e.g. "
                              "sokoban_visual); repeat for several; default: every task")
+    parser.add_argument("--decoy-frames", action="store_true",
+                        help="play the levels again with each observation's frames from another evaluation level "
+                             "(a decoy) and report that success beside the success with their own frames")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -517,6 +581,7 @@ def main(argv=None) -> int:
     try:
         cfg, source, warning = choose_config(args.config, args.checkpoint, checkpoint, args.overrides)
         check_tasks(cfg, args.task)
+        check_decoy_frames(cfg, args.decoy_frames)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -563,7 +628,8 @@ def main(argv=None) -> int:
                               trajectory_length=cfg.rollout.max_trajectory_length, **settings_from(cfg))
     try:
         summary = evaluate_tasks(model, encoder, cfg, episodes, out, videos=videos, dist=dist,
-                                 desc="eval" if rank == 0 else None, decoder=decoder, tasks=args.task, seeds=seeds)
+                                 desc="eval" if rank == 0 else None, decoder=decoder, tasks=args.task, seeds=seeds,
+                                 decoy_frames=args.decoy_frames)
     finally:
         if decoder is not None:
             decoder.close()

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     run = RunDir.create(cfg, dist)
     is_main_process = dist.rank == 0
     models = build_models(cfg, dist, run, is_main_process)
-    monitor = core.CollapseMonitor()
+    monitor = core.CollapseMonitor(frame_gap_floor=cfg.log.frame_gap_floor)
     rewarder = state_rewarder(cfg, dist)
     # What a resumed run must restore besides the engines (the state reward's recent descriptions).
     tracked = {"state_reward": rewarder.tracker} if rewarder is not None else {}
@@ -156,7 +156,8 @@ def check_before_loading(cfg) -> None:
 
 
 WATCHED = {"grad_norm": "actor/grad_norm", "entropy_mean": "actor/entropy_mean",
-           "reward_std_in_group": "rollout/in_group_reward_std", "format_ok": "rollout/format_ok"}
+           "reward_std_in_group": "rollout/in_group_reward_std", "format_ok": "rollout/format_ok",
+           "frame_gap": "rollout/frame_gap"}
 
 
 @dataclass
@@ -322,6 +323,8 @@ def rollouts(batch: Batch | None, cfg, it: int, dist, models: Models, decoder, s
     annotated by the sampling policy), or, for `rollout.reuse_iterations` iterations in all, the last batch
     again with its old log-probs and advantages. `rollout/staleness_mean` and `_max`: the updates since a
     trained token was sampled (token-weighted), which grow by one with each reuse."""
+    from vagen.frame_check import check_every, run_frame_check
+
     if batch is not None and it - batch.sampled_at < cfg.rollout.reuse_iterations:
         stats = {"update/tokens": float(sum(s.length for s in batch.samples))}
         rest(decoder)
@@ -331,6 +334,8 @@ def rollouts(batch: Batch | None, cfg, it: int, dist, models: Models, decoder, s
         stats.update(filter_stats)
         rest(decoder)  # a vLLM engine on a GPU gives its memory to the update
         stats.update(prepare(samples, cfg, dist, models))
+        if check_every(cfg) and it % check_every(cfg) == 0:  # does the policy look at its frames? (on fresh batches)
+            stats.update(run_frame_check(samples, cfg, it, models, dist))
         age = staleness(kept, it, dist)
         stats["rollout/cross_version_episodes"] = age.pop("cross_version_episodes")
         batch = Batch(played, samples, it, (age["mean"], age["max"]))

@@ -114,7 +114,13 @@ class CollapseMonitor:
         the previous `window` values (needs `min_history` earlier values);
       - format collapse: format_ok (the share of turns whose answer parses) < format_frac x the
         highest seen so far: the policy has unlearned the answer format (GRPO on Sokoban did, with
-        and without a penalty for malformed turns; README, "Learning on a laptop", run K).
+        and without a penalty for malformed turns; README, "Learning on a laptop", run K);
+      - a policy that does not look: "frame_gap" (nats per turn by which its responses are likelier
+        with their own frames than with another level group's, `vagen.frame_check`) < frame_gap_floor
+        while format_ok >= format_high: it answers in the format without reading its frames. Warned
+        when the gap falls below the floor (the first check included), not again until it has risen
+        above it. The floor is calibrated on the shipped warm starts (docs/algorithms.md, "Does the
+        policy look?").
     """
 
     def __init__(
@@ -126,6 +132,8 @@ class CollapseMonitor:
         std_floor: float = 1e-6,
         min_history: int = 3,
         format_frac: float = 0.5,
+        frame_gap_floor: float = 3.0,
+        format_high: float = 0.8,
     ):
         if window < 1 or k <= 0:
             raise ValueError(f"CollapseMonitor: need window >= 1 and k > 0, got window={window!r}, k={k!r}")
@@ -134,6 +142,8 @@ class CollapseMonitor:
         self.min_history = min_history
         self.format_frac = format_frac
         self.format_peak: float | None = None
+        self.frame_gap_floor, self.format_high = frame_gap_floor, format_high
+        self.not_looking = False  # the last frame gap checked was below the floor (while the format held)
         self.grad_norms: deque[float] = deque(maxlen=window)
         self.stds: deque[float] = deque(maxlen=window)
         self.entropy_peak: float | None = None
@@ -142,13 +152,14 @@ class CollapseMonitor:
     def state_dict(self) -> dict:
         """Plain-data history, for checkpoints: a resumed run warns exactly as an uninterrupted one."""
         return {"grad_norms": list(self.grad_norms), "stds": list(self.stds), "entropy_peak": self.entropy_peak,
-                "step": self.step, "format_peak": self.format_peak}
+                "step": self.step, "format_peak": self.format_peak, "not_looking": self.not_looking}
 
     def load_state_dict(self, state: dict) -> None:
         self.grad_norms = deque(state["grad_norms"], maxlen=self.window)
         self.stds = deque(state["stds"], maxlen=self.window)
         self.entropy_peak, self.step = state["entropy_peak"], int(state["step"])
         self.format_peak = state.get("format_peak")  # absent from checkpoints older than the indicator
+        self.not_looking = bool(state.get("not_looking", False))
 
     def update(self, metrics: dict) -> list[str]:
         """Check one step's metrics against the history, then add them to it."""
@@ -189,4 +200,19 @@ class CollapseMonitor:
             warnings += _below_peak(step, "format collapse", "format_ok", f, self.format_frac, self.format_peak,
                                     " (answers stop parsing)")
             self.format_peak = f if self.format_peak is None else max(self.format_peak, f)
+        if "frame_gap" in metrics:
+            warnings += self._frame_gap(step, float(metrics["frame_gap"]), metrics.get("format_ok"))
         return warnings
+
+    def _frame_gap(self, step: int, gap: float, format_ok) -> list[str]:
+        """[the warning] when the frame gap enters the range below the floor while the format holds."""
+        if format_ok is None or float(format_ok) < self.format_high:
+            return []  # answers that do not parse: the format collapse says more than the frames can
+        below = gap < self.frame_gap_floor
+        entered, self.not_looking = below and not self.not_looking, below
+        if not entered:
+            return []
+        return [f"step {step}: the policy does not look at its frames: frame_gap {gap:.3g} nats/turn < floor "
+                f"{self.frame_gap_floor:g} while format_ok {float(format_ok):.3g} >= {self.format_high:g} (its "
+                f"responses are about as likely with another level's frames; docs/algorithms.md, \"Does the "
+                f"policy look?\")"]
