@@ -14,6 +14,7 @@ retries, so no environment is silently re-created):
 - an actor that does not answer within `WORKER_GRACE` s more, or dies with its process or node
   (`RayActorError`), is killed (`ray.kill`) and replaced, and its other environments are rebuilt in the new
   actor by replaying their resets and responses;
+- an actor found dead while idle (`check_idle`, before each rollout) is replaced, and no request fails;
 - an actor that Ray cannot place (no node has the resources it asks for, or none frees them within
   `env.ray_start_timeout`) fails the run at once, naming the resource.
 """
@@ -165,6 +166,22 @@ class RayEnvWorkers(EnvWorkers):
             ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=0)
         return [heads[ref] for ref in ready]
 
+    def check_idle(self, timeout: float = 10.0) -> None:
+        """Replace every idle actor that died (its process killed for memory during an update, say): each is
+        asked where it runs, and one whose call raises RayActorError is replaced, no request failing. An actor
+        that does not answer within `timeout` s is left to its next request's deadline."""
+        import ray
+
+        idle = {worker.actor.ready.remote(): worker for worker in self.workers if not worker.pending}
+        if not idle:
+            return
+        done, _ = ray.wait(list(idle), num_returns=len(idle), timeout=timeout)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                self._replace(idle[ref], f"found dead while idle ({actor_death(err)})", blame=False)
+
     def actor_names(self) -> list[str]:
         """The names of the actors alive in this pool's namespace, as Ray lists them."""
         import ray
@@ -251,6 +268,10 @@ class _RayWorker(_Worker):
 
     def post(self, request: tuple) -> None:
         self.refs.append(self.actor.run.remote(*request))
+
+    def gone(self) -> str | None:
+        """Not known without a round trip: `RayEnvWorkers.check_idle` asks every idle actor once per rollout."""
+        return None
 
     def receive(self) -> tuple:
         import ray

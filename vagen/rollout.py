@@ -191,6 +191,7 @@ class Game:
         self.groups: dict[int, list[int]] = {}  # admission number -> the slots of its episodes
         self.group_size = group_size
         self.admission, self.version, self.draining, self.closed = admission, 0, False, False
+        pool.check_idle()  # a worker that died since the pool's last rollout is replaced before any request
         for number, seed in enumerate(seeds):
             self.admit(number, seed, sample_seed, number * group_size)
         self.take_answers(block=True, all_of_them=True)
@@ -211,6 +212,9 @@ class Game:
         """A new rollout, before the update of `version`: the waiting episodes go on (with the new weights)."""
         self.version, self.draining, self.closed = version, drain, False
         self.timing = dict.fromkeys(self.timing, 0.0)
+        # A worker that died during the update (killed for memory, say) is replaced now, its environments
+        # rebuilt by replay, so that the waiting episodes stepping there go on.
+        self.pool.check_idle()
         self.ready = sorted(self.ready + self.waiting)
         self.waiting = []
 
