@@ -237,10 +237,15 @@ class SharedRay:
 
     @classmethod
     def for_pools(cls, pools: list[tuple], owner: str | None) -> SharedRay | None:
-        """The connection for `pools`, (env config section, environments) pairs on the address of the first;
-        None when this process is connected already (by its caller, which then closes it)."""
+        """The connection for `pools`, (env config section, environments) pairs, all on one env.ray_address (a
+        process connects to one cluster: ValueError otherwise, as the config's checks say); None when this process
+        is connected already (by its caller, which then closes it)."""
         import ray
 
+        addresses = sorted({cfg_env.ray_address for cfg_env, _ in pools})
+        if len(addresses) > 1:
+            raise ValueError(f"env.backend=ray pools on different Ray clusters (env.ray_address {', '.join(addresses)}) "
+                             f"cannot share one connection; give every task the same env.ray_address")
         if ray.is_initialized():
             return None
         cpus, resources = 0.0, {}

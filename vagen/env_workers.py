@@ -154,7 +154,7 @@ class InProcessEnvs:
     def check_idle(self) -> None:
         """Nothing to check: the environments live in this process."""
 
-    def answers(self, block: bool = False) -> list[Answer]:
+    def answers(self, block: bool = False, timeout: float | None = None) -> list[Answer]:
         out = list(self.ready)
         self.ready.clear()
         return out
@@ -255,17 +255,22 @@ class EnvWorkers:
     def busy(self) -> bool:
         return bool(self.ready) or any(worker.pending for worker in self.workers)
 
-    def answers(self, block: bool = False) -> list[Answer]:
-        """The answers that arrived; with `block`, at least one when any request is still running."""
+    def answers(self, block: bool = False, timeout: float | None = None) -> list[Answer]:
+        """The answers that arrived; with `block`, at least one when any request is still running, or none
+        once `timeout` seconds have passed (None: no bound but the requests' deadlines)."""
+        until = None if timeout is None else time.monotonic() + timeout
         while True:
             waiting = [worker for worker in self.workers if worker.pending]
             if self.ready or not waiting:
                 break
-            timeout = 0.0
+            wait_s = 0.0
             if block:
                 deadlines = [worker.deadline() for worker in waiting]
-                timeout = None if None in deadlines else max(0.0, min(deadlines) - time.monotonic())
-            ready = self._arrived(waiting, timeout)
+                bound = None if None in deadlines else min(deadlines)
+                if until is not None:
+                    bound = until if bound is None else min(bound, until)
+                wait_s = None if bound is None else max(0.0, bound - time.monotonic())
+            ready = self._arrived(waiting, wait_s)
             for worker in waiting:
                 if worker in ready:
                     self._receive(worker)
@@ -276,7 +281,7 @@ class EnvWorkers:
                     self._replace(worker, f"EnvTimeout: no answer within env.step_timeout={self.step_timeout} s "
                                           f"(its {self.what} did not return to Python within {WORKER_GRACE} s "
                                           f"more, and was replaced)")
-            if not block:
+            if not block or (until is not None and time.monotonic() >= until):
                 break
         out = list(self.ready)
         self.ready.clear()

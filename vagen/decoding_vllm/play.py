@@ -104,6 +104,20 @@ class AgentLoop:
             logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, ids)]
         return Generated(ids, logprobs)
 
+    @staticmethod
+    def take_answers(game, decoding: bool) -> None:
+        """The environment answers that join the next pass (`rollout.env_wait_ms`): every one due (null), or
+        those that arrive within the wait; where the engine has nothing to decode (`decoding` false, no episode
+        ready), the first answer and those that follow it within the wait."""
+        wait_ms = game.ro.env_wait_ms
+        if wait_ms is None:
+            game.take_answers(block=True, all_of_them=True)
+            return
+        game.take_answers(block=True, all_of_them=True, until=time.perf_counter() + wait_ms / 1000)
+        while not decoding and not game.ready and game.pool.busy():
+            game.take_answers(block=True)
+            game.take_answers(block=True, all_of_them=True, until=time.perf_counter() + wait_ms / 1000)
+
     def play(self, game) -> None:
         """The agent loop (`vagen.rollout.Game`): each episode's next request joins the engine's running batch
         as soon as its observation is ready, and the engine steps (one forward pass over every running
@@ -128,7 +142,7 @@ class AgentLoop:
         self.engine_steps = self.engine_sequences = 0
         try:
             while True:
-                game.take_answers(block=True, all_of_them=True)  # every answer due joins this pass
+                self.take_answers(game, bool(running))
                 game.ended.count()
                 for row in game.ready:
                     episode = game.episodes[row]
