@@ -589,3 +589,41 @@ def test_graded_metrics_follow_each_tasks_own_prompt_format(tmp_path, tiny_text)
     assert stats["rollout/grounding_score"] == 0.5 and stats["rollout/worldmodel_score"] == 0.5
     first_for_all = rollout_metrics(episodes, graded["sokoban_grounding"])
     assert first_for_all["rollout/grounding_score"] == pytest.approx(1 / 3)
+
+
+def test_two_gloo_ranks_whiten_and_refuse_tasks_alike_where_a_rank_holds_no_row_of_a_task():
+    """Rank 1 holds no row of the second task: it still joins that task's reductions, so each task is whitened
+    over both ranks' rows (as one process would over all of them), and a task is refused on both ranks only where
+    every rank's episodes of it failed."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from child_env import child_env
+
+    from vagen.update import whiten_by_task
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    worker = Path(__file__).parent / "tasks_ranks_worker.py"
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, str(worker)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    # one process over the four rows of both ranks
+    whole = whiten_by_task(torch.tensor([[1.0, 2.0], [4.0, 0.0], [3.0, 5.0], [7.0, 9.0]]),
+                           torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]]),
+                           ["sokoban_text", "frozenlake_text", "sokoban_text", "sokoban_text"],
+                           ["sokoban_text", "frozenlake_text"], reduce=None)
+    assert torch.allclose(torch.tensor(results[0]["whitened"] + results[1]["whitened"]), whole, atol=1e-6)
+    # hand-checked: FrozenLake's one row holds a single masked-in value, whitened alone to 0
+    assert results[0]["whitened"][1] == [0.0, 0.0]
+    assert [r["outcomes"][0] for r in results] == ["played", "played"]  # rank 0's FrozenLake episodes ran
+    assert results[0]["outcomes"][1] == results[1]["outcomes"][1]  # the same refusal on both ranks
+    for result in results:
+        assert result["outcomes"][1].startswith("raised: rollout.tasks: the environments of task frozenlake_text "
+                                                "failed in all of its 2 episodes (on this rank: reset: OSError")
