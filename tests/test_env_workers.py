@@ -197,3 +197,38 @@ def test_a_worker_killed_while_idle_is_replaced_before_its_next_step_and_no_epis
         assert _answered(pool, 1)[1].value[4]["state_key"] == here.answers()[-1].value[4]["state_key"]
     finally:
         pool.close()
+
+
+def test_the_agent_loop_waits_for_environment_answers_as_rollout_env_wait_ms_says(tiny_text):
+    """Before an engine pass the agent loop takes the answers due: every one (rollout.env_wait_ms=null), or those
+    that come within the wait, the others joining a later pass; with nothing to decode, the first answer and those
+    within the wait after it. Environment 0's steps take 2 s, environment 1's a few milliseconds."""
+    from vagen.decoding import Generated
+    from vagen.decoding_vllm.play import AgentLoop
+    from vagen.rollout import Game
+
+    _, _, tokenizer = tiny_text
+    cfg = load_config("sokoban_text", ["rollout.max_turns=5"])
+    pool = EnvWorkers(FaultyFactory(cfg.env, {(5, turn): "slow" for turn in range(3)}), 2, 2, 30.0)
+    response = Generated(tokenizer.encode("no answer"))  # no action: the episodes go on
+    try:
+        game = Game(ChatEncoder(tokenizer), cfg, [5, 6], 1, pool, False, 0)
+        for wait_ms, decoding in ((100.0, True), (None, True), (100.0, False)):
+            assert game.ready == [0, 1]
+            game.ready.clear()
+            for row in (0, 1):
+                game.respond(row, response)
+            cfg.rollout.env_wait_ms = wait_ms
+            t0 = time.perf_counter()
+            AgentLoop.take_answers(game, decoding)
+            took = time.perf_counter() - t0
+            if wait_ms is None:  # every answer due
+                assert game.ready == [0, 1] and took >= 1.9, (game.ready, took)
+            elif decoding:  # the engine decodes other episodes meanwhile: at most the wait
+                assert 0 not in game.ready and took < 1.5, (game.ready, took)
+            else:  # the first answer (environment 1's) and the wait after it
+                assert game.ready == [1] and took < 1.5, (game.ready, took)
+            game.take_answers(block=True, all_of_them=True)  # the slow answer, for a later pass
+            assert game.ready == [0, 1]
+    finally:
+        pool.close()
