@@ -36,7 +36,6 @@ from vagen.config_checks import (  # noqa: F401 (re-exported: the checks are vag
     check_training,
     check_vllm_ranks,
     checkpoints_dir,
-    env_sections,
     kept_groups,
     machine_problems,
     model_path_error,

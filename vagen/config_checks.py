@@ -251,13 +251,6 @@ def validate(cfg) -> None:
         )
 
 
-def env_sections(cfg) -> list[tuple[str, EnvConfig]]:
-    """The env sections a run steps: each task's, by task name, with rollout.tasks; else ("", cfg.env)."""
-    if cfg.rollout.tasks:
-        return [(task.name, EnvConfig(**task.env)) for task in cfg.rollout.tasks]
-    return [("", cfg.env)]
-
-
 def _check_env_backend(env: EnvConfig) -> None:
     """env.step_timeout, env.workers, env.backend and its Ray settings (whether Ray is installed:
     `vagen.preflight.missing_packages`)."""

@@ -47,9 +47,10 @@ def missing_packages(cfg, trackers: bool = True) -> list[str]:
     if cfg.model.lora_rank > 0 and importlib.util.find_spec("peft") is None:
         problems.append(f"model.lora_rank={cfg.model.lora_rank} builds its adapters with the peft library, which is "
                         f"not installed; pip install -e \".[lora]\" (or model.lora_rank=0)")
-    from vagen.config_checks import env_sections
-
-    on_ray = [name for name, env in env_sections(cfg) if env.backend == "ray" and env.workers > 0]
+    # every env section the run steps: each task's with rollout.tasks (a dict there), else the run's
+    sections = [(task.name, task.env.get("backend"), task.env.get("workers", 0)) for task in cfg.rollout.tasks]
+    on_ray = [name for name, backend, workers in sections or [("", cfg.env.backend, cfg.env.workers)]
+              if backend == "ray" and workers > 0]
     if on_ray and importlib.util.find_spec("ray") is None:
         where = "" if on_ray == [""] else f" (rollout.tasks: {', '.join(on_ray)})"
         problems.append(f"env.backend=ray{where} runs the environments as Ray actors, but Ray is not installed in this "
