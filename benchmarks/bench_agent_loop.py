@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     parser.add_argument("--groups", type=int, default=16, help="level groups")
     parser.add_argument("--group-size", type=int, default=8, help="rollouts per level group")
     parser.add_argument("--repeats", type=int, default=1, help="measured rollouts per schedule, after a warm-up")
+    parser.add_argument("--waits", default="", help="wait_* settings: the rollout.env_wait_ms values to run, "
+                                                    "comma-separated, 'all' for null (default: the setting's)")
     args = parser.parse_args(argv)
 
     import torch
@@ -128,6 +130,8 @@ def main(argv=None) -> int:
     from vagen.rollout import close_envs, make_envs, rollout
 
     config, overrides, runs = SETTINGS[args.setting]
+    if args.waits:
+        runs = [("loop", 2, "process", None if wait == "all" else float(wait)) for wait in args.waits.split(",")]
     work = Path(tempfile.mkdtemp(prefix="vagen_bench_loop_"))
     path = standard_warm_start(config, work / "model")
     model, processor = load_policy(path, "float32")

@@ -64,8 +64,9 @@ def test_greedy_agent_loop_plays_the_per_turn_episodes(text_engine):
 
 
 def test_environments_in_workers_add_no_forward_pass(text_engine):
-    """Before each pass the loop takes every answer due, so an episode whose environment steps in a worker
-    joins the pass it would join if its environment stepped in this process."""
+    """Before each pass the loop takes every answer due (rollout.env_wait_ms=null, the default), so an episode
+    whose environment steps in a worker joins the pass it would join if its environment stepped in this
+    process."""
     model, encoder, decoder = text_engine
     cfg = load_config(None, ["rollout.max_turns=3", "rollout.max_new_tokens=64", "env.name=sokoban",
                              "env.render_mode=text"])
@@ -107,7 +108,9 @@ def test_sampled_agent_loop_replays_from_the_seeds_whatever_finishes_first(vl_en
     turns, _ = rollout(model, encoder, cfg, schedule="turns", **played)
     cfg.env.workers = 2
     workers, _ = rollout(model, encoder, cfg, **played)
-    assert _played(loop) == _played(turns) == _played(workers)
+    cfg.rollout.env_wait_ms = 0.0  # passes run with whichever answers are in: other batches, the same episodes
+    bounded, _ = rollout(model, encoder, cfg, **played)
+    assert _played(loop) == _played(turns) == _played(workers) == _played(bounded)
     assert len({tuple(ep.input_ids) for ep in loop}) == 12  # each episode drew its own responses
     other, _ = rollout(model, encoder, cfg, **{**played, "sample_seed": 6})
     assert _played(other) != _played(loop)

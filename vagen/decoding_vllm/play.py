@@ -122,11 +122,12 @@ class AgentLoop:
         """The agent loop (`vagen.rollout.Game`): each episode's next request joins the engine's running batch
         as soon as its observation is ready, and the engine steps (one forward pass over every running
         request) while the environments answer, so no episode waits for a turn boundary. Before each pass
-        the engine waits for every environment answer due (worker processes or actors step them in
-        parallel), so an episode's next turn joins the pass right after its response, as when its
-        environment steps in this process: workers never add forward passes (without the wait, answers
-        that came a few passes late spread episodes that moved together over twice the passes, each half
-        full; docs/benchmarks.md). A request is seeded by its episode's row and turn exactly as in
+        the engine waits for the environment answers due (`take_answers`, rollout.env_wait_ms): by default
+        every one (worker processes or actors step them in parallel), so an episode's next turn joins the
+        pass right after its response, as when its environment steps in this process, and workers add no
+        forward pass; with a wait in milliseconds, the answers that came within it, so that environments
+        step while the engine decodes and later answers join a later pass (docs/benchmarks.md has both).
+        A request is seeded by its episode's row and turn exactly as in
         the per-turn schedule (`request_seed` of `turn_seed`), so what an episode samples depends on neither
         its batch nor the order in which requests finish. Request ids name the episode and turn; the prefix
         cache serves each turn's history whatever request brought it. With rollout.max_staleness > 0 the game
