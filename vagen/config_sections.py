@@ -176,7 +176,7 @@ class RolloutConfig:
                                          "with those that came, later ones join a later pass, so environments step "
                                          "while the engine decodes (for steps long next to a pass on cores of their "
                                          "own, e.g. 10). null = wait for every answer due: the in-process loop's "
-                                         "passes, the faster on a shared CPU (docs/benchmarks.md)")
+                                         "passes, whatever the timing (docs/benchmarks.md)")
     tasks: list[TaskConfig] = _f([], "several tasks in one run: a list of {config: ENV_CONFIG, groups: N} (each "
                                      "environment config keeps its env, turns and lengths; rollout.env_groups is "
                                      "then the sum of the groups, env and the lengths those of the tasks: "
