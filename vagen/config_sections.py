@@ -171,12 +171,11 @@ class RolloutConfig:
                                "rank's share of groups has ended, up to (k + 1) x that share of groups are in flight, "
                                "and unfinished episodes go on after the update with the new weights; needs "
                                "algo.rollout_correction=tis (decoupled PPO), (k + 1) x the environments")
-    env_wait_ms: float | None = _f(None, "rollout.backend=vllm with env.workers: milliseconds the agent loop waits "
+    env_wait_ms: float | None = _f(10.0, "rollout.backend=vllm with env.workers: milliseconds the agent loop waits "
                                          "before each engine pass for the environment answers due; the pass runs "
                                          "with those that came, later ones join a later pass, so environments step "
-                                         "while the engine decodes (for steps long next to a pass on cores of their "
-                                         "own, e.g. 10). null = wait for every answer due: the in-process loop's "
-                                         "passes, whatever the timing (docs/benchmarks.md)")
+                                         "while the engine decodes (docs/benchmarks.md); null = wait for every "
+                                         "answer due: the in-process loop's passes, whatever the timing")
     tasks: list[TaskConfig] = _f([], "several tasks in one run: a list of {config: ENV_CONFIG, groups: N} (each "
                                      "environment config keeps its env, turns and lengths; rollout.env_groups is "
                                      "then the sum of the groups, env and the lengths those of the tasks: "

@@ -274,10 +274,6 @@ class _RayWorker(_Worker):
     def post(self, request: tuple) -> None:
         self.refs.append(self.actor.run.remote(*request))
 
-    def gone(self) -> str | None:
-        """Not known without a round trip: `RayEnvWorkers.check_idle` asks every idle actor once per rollout."""
-        return None
-
     def receive(self) -> tuple:
         import ray
 

@@ -14,7 +14,8 @@ Failures end one episode, never the rollout:
   trainer's process; one stuck where the alarm cannot reach (inside a C call) gets `WORKER_GRACE` more
   seconds, then its worker is killed;
 - a worker that dies (killed, `os._exit`, a crash in a renderer) fails the request it was running; one found
-  dead while it ran nothing (killed for memory during an update) fails none. A new worker takes its place and rebuilds its other environments by replaying each one's reset and steps
+  dead while it ran nothing (killed for memory during an update) fails none. A new worker takes its place
+  and rebuilds its other environments by replaying each one's reset and steps
   (the environments are deterministic given the seed and the responses), then runs the requests that
   were waiting, so their episodes go on as if nothing happened. A worker ended from outside (a Ray actor
   killed by an operator, or whose node died) fails no request: the one it ran runs again in the new one.
@@ -384,8 +385,9 @@ class _Worker:
         raise NotImplementedError
 
     def gone(self) -> str | None:
-        """How the worker ended (`signal 9`), if it is known to have ended; None while it may be alive."""
-        raise NotImplementedError
+        """How the worker ended (`signal 9`), if it is known to have ended without a round trip; None while it
+        may be alive (a transport that cannot tell finds out at its next request, or in `check_idle`)."""
+        return None
 
     def stop(self) -> None:
         raise NotImplementedError

@@ -122,11 +122,11 @@ class AgentLoop:
         """The agent loop (`vagen.rollout.Game`): each episode's next request joins the engine's running batch
         as soon as its observation is ready, and the engine steps (one forward pass over every running
         request) while the environments answer, so no episode waits for a turn boundary. Before each pass
-        the engine waits for the environment answers due (`take_answers`, rollout.env_wait_ms): by default
-        every one (worker processes or actors step them in parallel), so an episode's next turn joins the
-        pass right after its response, as when its environment steps in this process, and workers add no
-        forward pass; with a wait in milliseconds, the answers that came within it, so that environments
-        step while the engine decodes and later answers join a later pass (docs/benchmarks.md has both).
+        the engine waits for the environment answers due (`take_answers`) for rollout.env_wait_ms (10 ms by
+        default): the pass runs with the answers that came, so that environments (in worker processes or
+        actors) step while the engine decodes, and later answers join a later pass. With null it waits for
+        every one, so an episode's next turn joins the pass right after its response, as when its
+        environment steps in this process, and workers add no forward pass (docs/benchmarks.md has both).
         A request is seeded by its episode's row and turn exactly as in
         the per-turn schedule (`request_seed` of `turn_seed`), so what an episode samples depends on neither
         its batch nor the order in which requests finish. Request ids name the episode and turn; the prefix
