@@ -8,6 +8,9 @@ observation is ready). Information only: nothing is asserted. Runs in the vLLM e
     .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting navigation   # env.workers 0 and 2
     PYTHONPATH=/tmp/ray .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting navigation_ray
                                                # the loop with 2 worker processes and with 2 Ray actors
+    .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting wait_navigation --groups 4 --group-size 4
+    .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting wait_manipulation --groups 4 --group-size 4
+                                               # rollout.env_wait_ms: every answer due against bounded waits
 
 (.venv-vllm has no Ray: `.venv-vllm/bin/python -m pip install --no-deps --target /tmp/ray "ray==2.60.0"` puts
 it beside the venv without changing it; the venv has Ray's own dependencies through vLLM's.)
@@ -16,8 +19,9 @@ The policy is the environment's shipped warm start with vagen's image hooks take
 vLLM does not run them), at temperature 1. For each schedule: rollout wall time, the engine's forward
 passes (scheduler steps that ran at least one request), the mean number of requests per forward pass,
 and the share of the rollout the engine spent waiting for environments (stepping them in this process,
-or waiting for a worker's answer), and the share of environment steps whose answer joined the pass right
-after the response (all of them when environments step in this process). Each schedule plays the levels `--repeats` times after one warm-up
+or waiting for a worker's answer), the share of environment steps whose answer joined the pass right
+after the response (all of them when environments step in this process), and the rollout's wall time per turn
+played (every played turn is trained at max_staleness 0). Each schedule plays the levels `--repeats` times after one warm-up
 rollout (the engine's compilation); the figures are means over the repeats.
 """
 
@@ -41,6 +45,11 @@ SETTINGS = {  # config, overrides, (schedule, env.workers[, env.backend]) runs
                    [("turns", 0), ("loop", 0)]),
     "navigation": ("navigation_visual", [], [("turns", 0), ("loop", 0), ("turns", 2), ("loop", 2)]),
     "navigation_ray": ("navigation_visual", [], [("loop", 0), ("loop", 2, "process"), ("loop", 2, "ray")]),
+    # the agent loop's wait for environment answers before each pass (rollout.env_wait_ms; None: every one due)
+    "wait_navigation": ("navigation_visual", [], [("loop", 2, "process", None), ("loop", 2, "process", 0.0),
+                                                  ("loop", 2, "process", 2.0), ("loop", 2, "process", 10.0)]),
+    "wait_manipulation": ("manipulation_visual", [], [("loop", 2, "process", None), ("loop", 2, "process", 0.0),
+                                                      ("loop", 2, "process", 10.0), ("loop", 2, "process", 50.0)]),
 }
 
 
@@ -108,6 +117,8 @@ def main(argv=None) -> int:
     parser.add_argument("--groups", type=int, default=16, help="level groups")
     parser.add_argument("--group-size", type=int, default=8, help="rollouts per level group")
     parser.add_argument("--repeats", type=int, default=1, help="measured rollouts per schedule, after a warm-up")
+    parser.add_argument("--waits", default="", help="wait_* settings: the rollout.env_wait_ms values to run, "
+                                                    "comma-separated, 'all' for null (default: the setting's)")
     args = parser.parse_args(argv)
 
     import torch
@@ -119,6 +130,8 @@ def main(argv=None) -> int:
     from vagen.rollout import close_envs, make_envs, rollout
 
     config, overrides, runs = SETTINGS[args.setting]
+    if args.waits:
+        runs = [("loop", 2, "process", None if wait == "all" else float(wait)) for wait in args.waits.split(",")]
     work = Path(tempfile.mkdtemp(prefix="vagen_bench_loop_"))
     path = standard_warm_start(config, work / "model")
     model, processor = load_policy(path, "float32")
@@ -133,6 +146,8 @@ def main(argv=None) -> int:
     for schedule, workers, *backend in runs:
         cfg.env.workers = workers
         cfg.env.backend = backend[0] if backend else "process"
+        waits = len(backend) > 1
+        cfg.rollout.env_wait_ms = backend[1] if waits else None
         envs = make_envs(cfg.env, len(seeds) * args.group_size)
         measured = []
         for repeat in range(args.repeats + 1):
@@ -142,26 +157,31 @@ def main(argv=None) -> int:
                                        schedule=schedule, sample_seed=repeat)
             wall = time.perf_counter() - t0
             tokens = sum(t.response_length for ep in episodes for t in ep.turns)
+            turns = sum(len(ep.turns) for ep in episodes)
             print(f"{schedule} workers={workers} {cfg.env.backend} rollout {repeat}: {wall:.1f} s, {counts['steps']} forward passes, "
                   f"{tokens} tokens, env {timing['timing/env']:.1f} s, {counts['in_time']} of {counts['answers']} "
                   f"answers in time for the next pass", flush=True)
             if repeat:  # the first is warm-up
                 measured.append((wall, counts["steps"], counts["sequences"], timing["timing/env"], tokens,
-                                 counts["in_time"] / max(counts["answers"], 1)))
+                                 counts["in_time"] / max(counts["answers"], 1), wall / max(turns, 1)))
         close_envs(envs)
-        mean = [sum(m[k] for m in measured) / len(measured) for k in range(6)]
-        rows.append((schedule, f"{workers} ({cfg.env.backend})" if workers and backend else workers, *mean))
+        mean = [sum(m[k] for m in measured) / len(measured) for k in range(7)]
+        where = f"{workers} ({cfg.env.backend})" if workers and backend else workers
+        if waits:
+            where = f"{where}, wait {'all' if backend[1] is None else f'{backend[1]:g} ms'}"
+        rows.append((schedule, where, *mean))
     decoder.close()
     shutil.rmtree(work, ignore_errors=True)
 
     print(f"\n{args.setting}: {config} {' '.join(overrides)}, {args.groups} x {args.group_size} rollouts, temperature 1, "
           f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads), mean of {args.repeats}")
     print("| schedule | env.workers | rollout wall s | forward passes | sequences / pass | engine waits for envs | "
-          "tokens | answers in time for the next pass |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for schedule, workers, wall, steps, sequences, env, tokens, in_time in rows:
+          "tokens | answers in time for the next pass | wall ms per turn |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for schedule, workers, wall, steps, sequences, env, tokens, in_time, per_turn in rows:
         print(f"| {'per-turn' if schedule == 'turns' else 'agent loop'} | {workers} | {wall:.1f} | {steps:.0f} | "
-              f"{sequences / max(steps, 1):.1f} | {env / wall:.1%} | {tokens:.0f} | {in_time:.0%} |")
+              f"{sequences / max(steps, 1):.1f} | {env / wall:.1%} | {tokens:.0f} | {in_time:.0%} | "
+              f"{1000 * per_turn:.0f} |")
     return 0
 
 

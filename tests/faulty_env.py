@@ -10,7 +10,7 @@ from vagen.env_workers import build_env
 
 class FaultyEnv:
     """A real environment that fails at given steps: `faults` maps (level seed, step number) to `raise`
-    (an exception), `hang` (Python sleeps past any timeout), `hang_in_c` (sleeps with the alarm signal
+    (an exception), `slow` (the step takes two seconds), `hang` (Python sleeps past any timeout), `hang_in_c` (sleeps with the alarm signal
     blocked, as a call stuck inside a C library does) or `exit` (the process ends at once)."""
 
     def __init__(self, env, faults: dict):
@@ -25,6 +25,8 @@ class FaultyEnv:
         self.steps += 1
         if fault == "raise":
             raise ValueError("level state out of bounds")
+        if fault == "slow":
+            time.sleep(2.0)
         if fault == "hang":
             time.sleep(30)
         if fault == "hang_in_c":

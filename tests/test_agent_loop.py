@@ -64,11 +64,11 @@ def test_greedy_agent_loop_plays_the_per_turn_episodes(text_engine):
 
 
 def test_environments_in_workers_add_no_forward_pass(text_engine):
-    """Before each pass the loop takes every answer due, so an episode whose environment steps in a worker
-    joins the pass it would join if its environment stepped in this process."""
+    """With rollout.env_wait_ms=null the loop takes every answer due before each pass, so an episode whose
+    environment steps in a worker joins the pass it would join if its environment stepped in this process."""
     model, encoder, decoder = text_engine
     cfg = load_config(None, ["rollout.max_turns=3", "rollout.max_new_tokens=64", "env.name=sokoban",
-                             "env.render_mode=text"])
+                             "env.render_mode=text", "rollout.env_wait_ms=null"])
     played = dict(seeds=[1_000_000_000 + k for k in range(16)], group_size=1, do_sample=False, decoder=decoder)
     here, _ = rollout(model, encoder, cfg, **played)
     passes = (decoder.engine_steps, decoder.engine_sequences)
@@ -105,9 +105,11 @@ def test_sampled_agent_loop_replays_from_the_seeds_whatever_finishes_first(vl_en
     loop, _ = rollout(model, encoder, cfg, **played)
     # Another finishing order: each request's turn in one batch, and environments answering from two workers.
     turns, _ = rollout(model, encoder, cfg, schedule="turns", **played)
-    cfg.env.workers = 2
+    cfg.env.workers = 2  # the default wait (rollout.env_wait_ms): passes run with whichever answers came
     workers, _ = rollout(model, encoder, cfg, **played)
-    assert _played(loop) == _played(turns) == _played(workers)
+    cfg.rollout.env_wait_ms = None  # every answer due
+    waited, _ = rollout(model, encoder, cfg, **played)
+    assert _played(loop) == _played(turns) == _played(workers) == _played(waited)
     assert len({tuple(ep.input_ids) for ep in loop}) == 12  # each episode drew its own responses
     other, _ = rollout(model, encoder, cfg, **{**played, "sample_seed": 6})
     assert _played(other) != _played(loop)

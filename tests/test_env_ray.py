@@ -253,3 +253,37 @@ def test_two_gloo_ranks_share_a_ray_instance_in_disjoint_namespaces(ray_address,
         assert result["mine"] == ["env-worker-0-0", "env-worker-1-1"]
         assert sorted(result["seen"]) == sorted([[ns, name] for ns in namespaces for name in result["mine"]])
     assert _in_namespace(namespaces[0]) == [] and _in_namespace(namespaces[1]) == []
+
+
+def test_an_actor_killed_while_idle_is_replaced_before_the_next_rollout_and_no_step_fails(ray_address):
+    """An actor's process killed between steps (as the kernel kills one for memory during an update): the check a
+    rollout starts with (`check_idle`) replaces it, rebuilding its environment by replay, and the next step there
+    answers as in this process."""
+    import signal
+
+    from vagen.env_workers import InProcessEnvs
+    from vagen.rollout import make_env
+
+    cfg = load_config("sokoban_text", [])
+    here = InProcessEnvs([make_env(cfg.env)], None)
+    pool = RayEnvWorkers(EnvFactory(cfg.env), 1, 1, 30.0)
+    try:
+        for envs in (here, pool):
+            envs.reset(0, 5)
+            envs.step(0, "<think>go</think><answer>Up</answer>")
+        got = []
+        while len(got) < 2:
+            got += pool.answers(block=True)
+        _, pid = ray.get(pool.workers[0].actor.ready.remote())
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not pool.replaced and time.monotonic() < deadline:  # Ray learns of the death within moments
+            pool.check_idle()
+        assert pool.replaced == 1
+        for envs in (here, pool):
+            envs.step(0, "<think>go</think><answer>Left</answer>")
+        (answer,) = pool.answers(block=True)
+        expected = here.answers()[-1]
+        assert answer.error is None and answer.value[4]["state_key"] == expected.value[4]["state_key"]
+    finally:
+        pool.close()

@@ -471,3 +471,164 @@ def test_a_resumed_run_over_several_tasks_is_the_uninterrupted_one(tmp_path, dis
         assert want.keys() == got.keys()
         for key in want:
             assert torch.equal(got[key], want[key]), f"{file}: {key}"
+
+
+# -- each task's environment settings, failures and graded fields ------------------------------------------------
+
+def _task_file(tmp_path, name, env):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"env": env}))
+    return str(path)
+
+
+def test_every_tasks_workers_and_ray_settings_are_checked(tmp_path, monkeypatch):
+    import importlib.util
+
+    from vagen.config import machine_problems
+
+    text = {"name": "sokoban", "render_mode": "text"}
+    first = _task_file(tmp_path, "first", text)
+    second = {"name": "frozenlake", "render_mode": "text", "workers": 1, "backend": "ray"}
+
+    def tasks(env):
+        return [f"rollout.tasks=[{{config: {first}, groups: 1}}, {{config: {_task_file(tmp_path, 'second', env)}, "
+                f"groups: 1}}]", "model.path=builtin:tiny-text", "train.mini_batch_size=4"]
+
+    with pytest.raises(ConfigError, match=r"rollout.tasks\[1\] \(.*second.*\): env.backend=ray runs env.workers "
+                                          r"Ray actors, but env.workers=0"):
+        load_configs(None, tasks({**second, "workers": 0}))
+    with pytest.raises(ConfigError, match=r"rollout.tasks\[1\] \(.*second.*\): env.step_timeout=-1.0 must be > 0"):
+        load_configs(None, tasks({**second, "step_timeout": -1}))
+    on_ray = {**second, "name": "sokoban", "ray_address": "10.0.0.1:6379"}
+    first = _task_file(tmp_path, "first", on_ray)
+    with pytest.raises(ConfigError, match=r"rollout.tasks run Ray actors on different clusters \(env.ray_address="
+                                          r"10.0.0.1:6379 for first; env.ray_address=10.0.0.2:6379 for second\)"):
+        load_configs(None, tasks({**second, "ray_address": "10.0.0.2:6379"}))
+    assert load_configs(None, tasks({**second, "ray_address": "10.0.0.1:6379"})).rollout.env_groups == 2
+    first = _task_file(tmp_path, "first", text)
+    # the second task's Ray, not the first's process backend, is what needs the package
+    cfg = load_configs(None, tasks(second))
+    assert cfg.env.backend == "process" and machine_problems(cfg) == []
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    assert any(problem.startswith("env.backend=ray (rollout.tasks: second) runs the environments as Ray actors, but "
+                                  "Ray is not installed") for problem in machine_problems(cfg))
+
+
+class FailsAtReset:
+    """A real environment whose first `failing` resets raise, as a renderer that cannot start would."""
+
+    def __init__(self, env, failing: list):
+        self.env, self.failing = env, failing
+
+    def reset(self, seed):
+        if self.failing:
+            self.failing.pop()
+            raise OSError("no EGL display")
+        return self.env.reset(seed=seed)
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+
+def _failing_frozenlake(monkeypatch, failing: int):
+    import vagen.rollout
+
+    real, budget = vagen.rollout.make_env, [None] * failing
+    monkeypatch.setattr(vagen.rollout, "make_env", lambda env, *a: FailsAtReset(real(env, *a), budget)
+                        if env.name == "frozenlake" else real(env, *a))
+
+
+def test_a_tasks_reset_failures_count_in_its_own_metrics(tiny_text, monkeypatch):
+    _failing_frozenlake(monkeypatch, 1)
+    episodes, stats = _play(_text_tasks(), tiny_text)
+    frozen = [ep for ep in episodes if ep.task == "frozenlake_text"]
+    assert frozen[0].error.startswith("reset: OSError: no EGL display") and not frozen[0].turns
+    assert frozen[1].error is None and frozen[1].turns
+    assert stats["rollout/frozenlake_text/env_errors"] == 1.0 and stats["rollout/sokoban_text/env_errors"] == 0.0
+    # over both of its episodes, the one that never played a turn included
+    assert stats["rollout/frozenlake_text/turns"] == len(frozen[1].turns) / 2
+
+
+def test_a_task_whose_environments_all_fail_is_refused_by_name(tiny_text, monkeypatch):
+    _failing_frozenlake(monkeypatch, 2)
+    with pytest.raises(RuntimeError, match=r"rollout.tasks: the environments of task frozenlake_text failed in all of "
+                                           r"its 2 episodes \(on this rank: reset: OSError: no EGL display.*\)\. Fix "
+                                           r"that task's environment config"):
+        _play(_text_tasks(), tiny_text)
+
+
+def test_graded_metrics_follow_each_tasks_own_prompt_format(tmp_path, tiny_text):
+    """Sokoban in the grounding format grades <observation>, FrozenLake in worldmodeling <prediction>: each turn
+    counts (0 where its description did not parse) in its own task's score only. Hand-checked: grounding (1 + 0) / 2,
+    where the first task's format for all gave (1 + 0 + 0) / 3; world model 0.5 from FrozenLake's turn."""
+    from types import SimpleNamespace
+
+    from vagen.episode import ChatEncoder
+    from vagen.rollout import close_envs, rollout_metrics
+    from vagen.tasks import TaskRollouts
+
+    sokoban = _task_file(tmp_path, "sokoban_grounding", {"name": "sokoban", "render_mode": "text",
+                                                         "prompt_format": "grounding"})
+    frozen = _task_file(tmp_path, "frozenlake_wm", {"name": "frozenlake", "render_mode": "text",
+                                                    "prompt_format": "worldmodeling"})
+    cfg = load_configs(None, [f"rollout.tasks=[{{config: {sokoban}, groups: 1}}, {{config: {frozen}, groups: 1}}]",
+                              "model.path=builtin:tiny-text", "train.mini_batch_size=4", "rollout.group_size=2"])
+    source = TaskRollouts(ChatEncoder(tiny_text[2]), cfg)
+    try:
+        graded = source.graded()
+    finally:
+        close_envs(source.all_envs())
+    assert graded == {"sokoban_grounding": ("grounding_score",), "frozenlake_wm": ("worldmodel_score",)}
+
+    def turn(**scores):
+        return SimpleNamespace(info={"grounding_score": None, "worldmodel_score": None, **scores}, response_length=1)
+
+    def episode(task, *turns):
+        return SimpleNamespace(task=task, turns=list(turns), success=False, total_reward=0.0,
+                               truncated_by_length=False, error=None)
+
+    episodes = [episode("sokoban_grounding", turn(grounding_score=1.0), turn()),
+                episode("frozenlake_wm", turn(worldmodel_score=0.5))]
+    stats = rollout_metrics(episodes, graded)
+    assert stats["rollout/grounding_score"] == 0.5 and stats["rollout/worldmodel_score"] == 0.5
+    first_for_all = rollout_metrics(episodes, graded["sokoban_grounding"])
+    assert first_for_all["rollout/grounding_score"] == pytest.approx(1 / 3)
+
+
+def test_two_gloo_ranks_whiten_and_refuse_tasks_alike_where_a_rank_holds_no_row_of_a_task():
+    """Rank 1 holds no row of the second task: it still joins that task's reductions, so each task is whitened
+    over both ranks' rows (as one process would over all of them), and a task is refused on both ranks only where
+    every rank's episodes of it failed."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from child_env import child_env
+
+    from vagen.update import whiten_by_task
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    worker = Path(__file__).parent / "tasks_ranks_worker.py"
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, str(worker)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    # one process over the four rows of both ranks
+    whole = whiten_by_task(torch.tensor([[1.0, 2.0], [4.0, 0.0], [3.0, 5.0], [7.0, 9.0]]),
+                           torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]]),
+                           ["sokoban_text", "frozenlake_text", "sokoban_text", "sokoban_text"],
+                           ["sokoban_text", "frozenlake_text"], reduce=None)
+    assert torch.allclose(torch.tensor(results[0]["whitened"] + results[1]["whitened"]), whole, atol=1e-6)
+    # hand-checked: FrozenLake's one row holds a single masked-in value, whitened alone to 0
+    assert results[0]["whitened"][1] == [0.0, 0.0]
+    assert [r["outcomes"][0] for r in results] == ["played", "played"]  # rank 0's FrozenLake episodes ran
+    assert results[0]["outcomes"][1] == results[1]["outcomes"][1]  # the same refusal on both ranks
+    for result in results:
+        assert result["outcomes"][1].startswith("raised: rollout.tasks: the environments of task frozenlake_text "
+                                                "failed in all of its 2 episodes (on this rank: reset: OSError")

@@ -220,10 +220,9 @@ def validate(cfg) -> None:
     _check_vllm(cfg)
     _check_trackers(cfg.log.trackers)
     _check_frame_check(cfg)
-    if cfg.env.step_timeout is not None and not cfg.env.step_timeout > 0:
-        raise ConfigError(f"env.step_timeout={cfg.env.step_timeout} must be > 0 seconds, or null for no limit")
-    if cfg.env.workers < 0:
-        raise ConfigError(f"env.workers={cfg.env.workers} must be >= 0 (0: environments step in the trainer's process)")
+    if cfg.rollout.env_wait_ms is not None and not cfg.rollout.env_wait_ms >= 0:
+        raise ConfigError(f"rollout.env_wait_ms={cfg.rollout.env_wait_ms} must be >= 0 milliseconds (0: never wait "
+                          f"while the engine has requests to run), or null to wait for every answer due")
     _check_env_backend(cfg.env)
     if tr.keep_checkpoints is not None and tr.keep_checkpoints < 1:
         raise ConfigError(f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1, or null to keep every checkpoint")
@@ -254,7 +253,12 @@ def validate(cfg) -> None:
 
 
 def _check_env_backend(env: EnvConfig) -> None:
-    """env.backend and its Ray settings (whether Ray is installed: `vagen.preflight.missing_packages`)."""
+    """env.step_timeout, env.workers, env.backend and its Ray or HTTP settings (whether Ray is installed:
+    `vagen.preflight.missing_packages`)."""
+    if env.step_timeout is not None and not env.step_timeout > 0:
+        raise ConfigError(f"env.step_timeout={env.step_timeout} must be > 0 seconds, or null for no limit")
+    if env.workers < 0:
+        raise ConfigError(f"env.workers={env.workers} must be >= 0 (0: environments step in the trainer's process)")
     if env.backend not in ("process", "ray", "http"):
         raise ConfigError(f"env.backend={env.backend!r}{_closest(env.backend, ['process', 'ray', 'http'])} choices: "
                           f"process, ray, http")
@@ -303,8 +307,21 @@ def _check_tasks(cfg) -> None:
                               f"the task per iteration); drop the task instead")
         try:
             _check_env(EnvConfig(**task.env))
+            _check_env_backend(EnvConfig(**task.env))
         except ConfigError as err:
             raise ConfigError(f"rollout.tasks[{i}] ({task.name}): {err}") from None
+    # The tasks' Ray actors share one connection per process (vagen.tasks.shared_ray): one cluster for all.
+    addresses = {}
+    for task in tasks:
+        env = EnvConfig(**task.env)
+        if env.workers > 0 and env.backend == "ray":
+            addresses.setdefault(env.ray_address, []).append(task.name)
+    if len(addresses) > 1:
+        named = "; ".join(f"env.ray_address={address} for {', '.join(names)}" for address, names in addresses.items())
+        raise ConfigError(f"rollout.tasks run Ray actors on different clusters ({named}), but a trainer's process "
+                          f"connects to one Ray cluster for every task; give the tasks one env.ray_address (e.g. "
+                          f"env.ray_address={next(iter(addresses))} on the command line sets every task's), or "
+                          f"env.backend=process for some")
     names = [task.name for task in tasks]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:

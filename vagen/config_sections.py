@@ -31,6 +31,13 @@ CHOICES = {
 }
 
 
+# env.step_timeout's default, in seconds. The slowest legitimate reset or step of the shipped environments
+# (benchmarks/bench_step_times.py, docs/benchmarks.md: a MuJoCo environment made with its renderer on its first
+# reset) took 0.5 s on a loaded 2-core CPU; 60 s leaves a margin of over 100x for busier machines and slower
+# renderers, and stays far below train.dist_timeout_minutes, which the other ranks wait in their next collective.
+DEFAULT_STEP_TIMEOUT = 60.0
+
+
 # What each task of rollout.tasks keeps of its own environment config, besides its env section.
 TASK_ROLLOUT_KEYS = ("max_turns", "max_new_tokens", "max_trajectory_length")
 
@@ -91,12 +98,17 @@ class EnvConfig:
     max_actions_per_turn: int = _f(3, "actions executed per response at most")
     format_reward: float = _f(0.5, "reward for a response that parses with only valid actions")
     params: dict = _f({}, "env-specific parameters, e.g. {dim_room: [6, 6], num_boxes: 1}")
-    step_timeout: float | None = _f(None, "seconds an environment's reset or step may take before its episode ends as "
-                                          "failed (an alarm in the main thread: pure-Python code is interrupted, a "
-                                          "call inside a C library only when it returns); null = no limit")
-    workers: int = _f(0, "processes that hold the environments (and their renderers) and step them while the "
-                         "trainer decodes; a worker that dies or hangs fails only the step it ran and is replaced; "
-                         "0 = step them in the trainer's process")
+    step_timeout: float | None = _f(DEFAULT_STEP_TIMEOUT, "seconds an environment's reset or step may take before "
+                                                          "its episode ends as failed (an alarm in the process that "
+                                                          "steps it interrupts Python code; with env.workers a worker "
+                                                          "stuck in a C call is replaced 2 s later); the default is "
+                                                          "over 100x the slowest reset or step of the shipped "
+                                                          "environments (docs/benchmarks.md); null = no limit, and a "
+                                                          "hung environment then hangs the rank")
+    workers: int = _f(0, "processes that hold the environments (and their renderers) and step them in parallel, "
+                         "beside the trainer; a worker that raises, hangs past env.step_timeout or dies ends only the "
+                         "episode whose step it ran and is replaced, and one found dead while idle is replaced before "
+                         "its next step; 0 = step them in the trainer's process")
     backend: str = _f("process", "what the env.workers are: process (local processes) | ray (Ray actors, on any node "
                                  "of a Ray cluster; pip install -e \".[ray]\") | http (sessions on environment "
                                  "servers, env.urls; pip install -e \".[http]\"); the same answers, timeouts and "
@@ -172,6 +184,11 @@ class RolloutConfig:
                                "rank's share of groups has ended, up to (k + 1) x that share of groups are in flight, "
                                "and unfinished episodes go on after the update with the new weights; needs "
                                "algo.rollout_correction=tis (decoupled PPO), (k + 1) x the environments")
+    env_wait_ms: float | None = _f(10.0, "rollout.backend=vllm with env.workers: milliseconds the agent loop waits "
+                                         "before each engine pass for the environment answers due; the pass runs "
+                                         "with those that came, later ones join a later pass, so environments step "
+                                         "while the engine decodes (docs/benchmarks.md); null = wait for every "
+                                         "answer due: the in-process loop's passes, whatever the timing")
     tasks: list[TaskConfig] = _f([], "several tasks in one run: a list of {config: ENV_CONFIG, groups: N} (each "
                                      "environment config keeps its env, turns and lengths; rollout.env_groups is "
                                      "then the sum of the groups, env and the lengths those of the tasks: "

@@ -14,6 +14,7 @@ retries, so no environment is silently re-created):
 - an actor that does not answer within `WORKER_GRACE` s more, or dies with its process or node
   (`RayActorError`), is killed (`ray.kill`) and replaced, and its other environments are rebuilt in the new
   actor by replaying their resets and responses;
+- an actor found dead while idle (`check_idle`, before each rollout) is replaced, and no request fails;
 - an actor that Ray cannot place (no node has the resources it asks for, or none frees them within
   `env.ray_start_timeout`) fails the run at once, naming the resource.
 """
@@ -165,6 +166,22 @@ class RayEnvWorkers(EnvWorkers):
             ready, _ = ray.wait(list(heads), num_returns=len(heads), timeout=0)
         return [heads[ref] for ref in ready]
 
+    def check_idle(self, timeout: float = 10.0) -> None:
+        """Replace every idle actor that died (its process killed for memory during an update, say): each is
+        asked where it runs, and one whose call raises RayActorError is replaced, no request failing. An actor
+        that does not answer within `timeout` s is left to its next request's deadline."""
+        import ray
+
+        idle = {worker.actor.ready.remote(): worker for worker in self.workers if not worker.pending}
+        if not idle:
+            return
+        done, _ = ray.wait(list(idle), num_returns=len(idle), timeout=timeout)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                self._replace(idle[ref], f"found dead while idle ({actor_death(err)})", blame=False)
+
     def actor_names(self) -> list[str]:
         """The names of the actors alive in this pool's namespace, as Ray lists them."""
         import ray
@@ -220,10 +237,15 @@ class SharedRay:
 
     @classmethod
     def for_pools(cls, pools: list[tuple], owner: str | None) -> SharedRay | None:
-        """The connection for `pools`, (env config section, environments) pairs on the address of the first;
-        None when this process is connected already (by its caller, which then closes it)."""
+        """The connection for `pools`, (env config section, environments) pairs, all on one env.ray_address (a
+        process connects to one cluster: ValueError otherwise, as the config's checks say); None when this process
+        is connected already (by its caller, which then closes it)."""
         import ray
 
+        addresses = sorted({cfg_env.ray_address for cfg_env, _ in pools})
+        if len(addresses) > 1:
+            raise ValueError(f"env.backend=ray pools on different Ray clusters (env.ray_address {', '.join(addresses)}) "
+                             f"cannot share one connection; give every task the same env.ray_address")
         if ray.is_initialized():
             return None
         cpus, resources = 0.0, {}

@@ -13,8 +13,9 @@ Failures end one episode, never the rollout:
 - one that runs past `env.step_timeout` is interrupted by an alarm (`time_limit`), in the worker as in the
   trainer's process; one stuck where the alarm cannot reach (inside a C call) gets `WORKER_GRACE` more
   seconds, then its worker is killed;
-- a worker that dies (killed, `os._exit`, a crash in a renderer) fails the request it was running. A new
-  worker takes its place and rebuilds its other environments by replaying each one's reset and steps
+- a worker that dies (killed, `os._exit`, a crash in a renderer) fails the request it was running; one found
+  dead while it ran nothing (killed for memory during an update) fails none. A new worker takes its place
+  and rebuilds its other environments by replaying each one's reset and steps
   (the environments are deterministic given the seed and the responses), then runs the requests that
   were waiting, so their episodes go on as if nothing happened. A worker ended from outside (a Ray actor
   killed by an operator, or whose node died) fails no request: the one it ran runs again in the new one.
@@ -156,7 +157,10 @@ class InProcessEnvs:
         """Whether a request is still running (never here: each ran when it was made)."""
         return False
 
-    def answers(self, block: bool = False) -> list[Answer]:
+    def check_idle(self) -> None:
+        """Nothing to check: the environments live in this process."""
+
+    def answers(self, block: bool = False, timeout: float | None = None) -> list[Answer]:
         out = list(self.ready)
         self.ready.clear()
         return out
@@ -227,30 +231,52 @@ class EnvWorkers:
         return self.workers[index % len(self.workers)]
 
     def reset(self, index: int, seed: int) -> None:
-        self.history[index] = (seed, [])
+        self.history.pop(index, None)  # starts over: nothing of it to rebuild in a replacement
         self.broken.pop(index, None)
+        self._idle_dead(self.owner(index))
+        self.history[index] = (seed, [])
         self.owner(index).send((index, "reset", seed))
 
     def step(self, index: int, text: str) -> None:
         if index in self.broken:
             self.ready.append(Answer(index, "step", error=self.broken.pop(index)))
             return
+        self._idle_dead(self.owner(index))
         self.owner(index).send((index, "step", text))
+
+    def _idle_dead(self, worker: _Worker) -> None:
+        """Replace `worker` if it ended while it ran nothing, before a request is sent to it: no request was
+        its cause, so none fails, and its environments are rebuilt in the new worker."""
+        if not worker.pending:
+            how = worker.gone()
+            if how is not None:
+                self._replace(worker, f"found dead while idle ({how})", blame=False)
+
+    def check_idle(self) -> None:
+        """Replace every worker that ended while it ran nothing (killed for memory during an update, say), so
+        that the next request sent there finds a live one. Called before each rollout."""
+        for worker in list(self.workers):
+            self._idle_dead(worker)
 
     def busy(self) -> bool:
         return bool(self.ready) or any(worker.pending for worker in self.workers)
 
-    def answers(self, block: bool = False) -> list[Answer]:
-        """The answers that arrived; with `block`, at least one when any request is still running."""
+    def answers(self, block: bool = False, timeout: float | None = None) -> list[Answer]:
+        """The answers that arrived; with `block`, at least one when any request is still running, or none
+        once `timeout` seconds have passed (None: no bound but the requests' deadlines)."""
+        until = None if timeout is None else time.monotonic() + timeout
         while True:
             waiting = [worker for worker in self.workers if worker.pending]
             if self.ready or not waiting:
                 break
-            timeout = 0.0
+            wait_s = 0.0
             if block:
                 deadlines = [worker.deadline() for worker in waiting]
-                timeout = None if None in deadlines else max(0.0, min(deadlines) - time.monotonic())
-            ready = self._arrived(waiting, timeout)
+                bound = None if None in deadlines else min(deadlines)
+                if until is not None:
+                    bound = until if bound is None else min(bound, until)
+                wait_s = None if bound is None else max(0.0, bound - time.monotonic())
+            ready = self._arrived(waiting, wait_s)
             for worker in waiting:
                 if worker in ready:
                     self._receive(worker)
@@ -261,7 +287,7 @@ class EnvWorkers:
                     self._replace(worker, f"EnvTimeout: no answer within env.step_timeout={self.step_timeout} s "
                                           f"(its {self.what} did not return to Python within {WORKER_GRACE} s "
                                           f"more, and was replaced)")
-            if not block:
+            if not block or (until is not None and time.monotonic() >= until):
                 break
         out = list(self.ready)
         self.ready.clear()
@@ -295,10 +321,10 @@ class EnvWorkers:
         too and the request sent again."""
         worker.stop()
         self.replaced += 1
-        culprit, *waiting = worker.pending
-        index, kind = culprit[:2]
+        culprit, *waiting = worker.pending or [None]
+        index, kind = culprit[:2] if culprit else (None, None)
         if not blame:
-            index, waiting = None, [culprit, *waiting]
+            index, waiting = None, [culprit, *waiting] if culprit else []
         elif kind == "rebuild":
             self.broken[index] = f"rebuild after a worker was replaced: {error}"
         else:
@@ -320,7 +346,8 @@ class EnvWorkers:
                 fresh.send(request)
             else:  # the environment whose rebuild failed: its next request fails
                 self.ready.append(Answer(index, request[1], error=self.broken.pop(index, error)))
-        request = f"environment {culprit[0]}'s {culprit[1]} " + ("failed" if blame else "runs again")
+        request = ("no request failed" if culprit is None else
+                   f"environment {culprit[0]}'s {culprit[1]} " + ("failed" if blame else "runs again"))
         print(f"env workers: {self.what} {slot} replaced, {request} ({error}); environments {rebuilt} rebuilt by "
               f"replay", file=sys.stderr, flush=True)
 
@@ -362,6 +389,11 @@ class _Worker:
     def receive(self) -> tuple:
         raise NotImplementedError
 
+    def gone(self) -> str | None:
+        """How the worker ended (`signal 9`), if it is known to have ended without a round trip; None while it
+        may be alive (a transport that cannot tell finds out at its next request, or in `check_idle`)."""
+        return None
+
     def stop(self) -> None:
         raise NotImplementedError
 
@@ -398,6 +430,10 @@ class _ProcessWorker(_Worker):
         except (EOFError, OSError):
             code = self.process.wait()
             raise WorkerLost(f"signal {-code}" if code < 0 else f"exit code {code}") from None
+
+    def gone(self) -> str | None:
+        code = self.process.poll()
+        return None if code is None else f"signal {-code}" if code < 0 else f"exit code {code}"
 
     def stop(self) -> None:
         if self.process.poll() is None:

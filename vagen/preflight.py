@@ -76,8 +76,13 @@ def missing_packages(cfg, trackers: bool = True) -> list[str]:
     if cfg.model.lora_rank > 0 and importlib.util.find_spec("peft") is None:
         problems.append(f"model.lora_rank={cfg.model.lora_rank} builds its adapters with the peft library, which is "
                         f"not installed; pip install -e \".[lora]\" (or model.lora_rank=0)")
-    if cfg.env.backend == "ray" and importlib.util.find_spec("ray") is None:
-        problems.append("env.backend=ray runs the environments as Ray actors, but Ray is not installed in this "
+    # every env section the run steps: each task's with rollout.tasks (a dict there), else the run's
+    sections = [(task.name, task.env.get("backend"), task.env.get("workers", 0)) for task in cfg.rollout.tasks]
+    on_ray = [name for name, backend, workers in sections or [("", cfg.env.backend, cfg.env.workers)]
+              if backend == "ray" and workers > 0]
+    if on_ray and importlib.util.find_spec("ray") is None:
+        where = "" if on_ray == [""] else f" (rollout.tasks: {', '.join(on_ray)})"
+        problems.append(f"env.backend=ray{where} runs the environments as Ray actors, but Ray is not installed in this "
                         "environment; pip install -e \".[ray]\" (on every node that runs environment actors too), "
                         "or set env.backend=process")
     if cfg.env.backend == "http" and importlib.util.find_spec("httpx") is None:

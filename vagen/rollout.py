@@ -126,6 +126,10 @@ class Rollouts:
         assert len(pool) == needed, f"{len(pool)=} {needed=}"
         self.game = Game(encoder, cfg, [], cfg.rollout.group_size, pool, None, 0, admission=self.admission)
 
+    def graded(self) -> tuple[str, ...]:
+        """The graded fields of this run's prompt format (`graded_scores`), for `rollout_metrics`."""
+        return graded_scores(example_env(self.envs))
+
     def play(self, decoder: Decoder, version: int, drain: bool = False) -> tuple[list[Episode], dict[str, float]]:
         """The rollout before the update of `version`: the episodes of every group that ended whole (in
         admission order, `group_id` their rank among them), and the rollout's metrics. Carried episodes go on
@@ -196,6 +200,7 @@ class Game:
         self.groups: dict[int, list[int]] = {}  # admission number -> the slots of its episodes
         self.group_size = group_size
         self.admission, self.version, self.draining, self.closed = admission, 0, False, False
+        pool.check_idle()  # a worker that died since the pool's last rollout is replaced before any request
         for number, seed in enumerate(seeds):
             self.admit(number, seed, sample_seed, number * group_size)
         self.take_answers(block=True, all_of_them=True)
@@ -216,6 +221,9 @@ class Game:
         """A new rollout, before the update of `version`: the waiting episodes go on (with the new weights)."""
         self.version, self.draining, self.closed = version, drain, False
         self.timing = dict.fromkeys(self.timing, 0.0)
+        # A worker that died during the update (killed for memory, say) is replaced now, its environments
+        # rebuilt by replay, so that the waiting episodes stepping there go on.
+        self.pool.check_idle()
         self.ready = sorted(self.ready + self.waiting)
         self.waiting = []
 
@@ -261,19 +269,21 @@ class Game:
         """No episode generates again: none is ready, and no environment has an answer still to give."""
         return not self.ready and not self.responses
 
-    def take_answers(self, block: bool = False, all_of_them: bool = False) -> None:
+    def take_answers(self, block: bool = False, all_of_them: bool = False, until: float | None = None) -> None:
         """Apply the environments' answers that arrived (with `block`, wait for at least one while any is
-        due; with `all_of_them`, for every one due) and open each answered episode's next turn."""
+        due; with `all_of_them`, for every one due, or until `time.perf_counter()` reaches `until`) and open
+        each answered episode's next turn."""
         while True:
             t0 = time.perf_counter()
-            answers = self.pool.answers(block=block and self.pool.busy())
+            timeout = None if until is None else max(0.0, until - t0)
+            answers = self.pool.answers(block=block and self.pool.busy(), timeout=timeout)
             self.timing["timing/env"] += time.perf_counter() - t0
             for answer in sorted(answers, key=lambda a: a.index):
                 if answer.kind == "reset":
                     self.reset_answered(answer)
                 else:
                     self.step_answered(answer)
-            if not (all_of_them and self.pool.busy()):
+            if not (all_of_them and self.pool.busy()) or (until is not None and time.perf_counter() >= until):
                 break
         if self.admission is not None and not self.closed:
             self.closed = sum(self.group_ended(number) for number in self.groups) >= self.admission.groups_per_rank
@@ -412,6 +422,11 @@ def window_prompt(encoder: ChatEncoder, system: str, segments: list[Segment], wi
 GRADED_SCORES = (("observation", "grounding_score"), ("prediction", "worldmodel_score"))
 
 
+def example_env(envs):
+    """One environment of `envs` (a list, or a worker pool's example) to read its prompt format and graded fields."""
+    return envs[0] if isinstance(envs, list) else envs.example()
+
+
 def graded_scores(env) -> tuple[str, ...]:
     """The info keys of the state scores `env` grades every turn in its prompt format: `grounding_score`
     where the format has an <observation>, `worldmodel_score` where it has a <prediction>, none for an
@@ -422,11 +437,13 @@ def graded_scores(env) -> tuple[str, ...]:
     return tuple(key for name, key in GRADED_SCORES if name in fields) if env.state_weights else ()
 
 
-def rollout_metrics(episodes: list[Episode], graded: tuple[str, ...] = ()) -> dict[str, float]:
+def rollout_metrics(episodes: list[Episode], graded: tuple[str, ...] | dict[str, tuple[str, ...]] = ()
+                    ) -> dict[str, float]:
     """Means over episodes of success, return, turns, format and validity rates, response length, and the
     state scores of graded fields (after the state reward's repetition check, when it ran): for the
-    `graded` keys (`graded_scores`) over every turn, a turn whose description did not parse counting 0,
-    so the curve exists from the first iteration; for others over the turns that have them.
+    `graded` keys (`graded_scores`; with rollout.tasks a dict of them by task name, each episode's its own
+    task's) over every turn, a turn whose description did not parse counting 0, so the curve exists from the
+    first iteration; for others over the turns that have them.
 
     Per turn (docs/environments.md, "Format ok and action valid"): `rollout/format_ok` is the share whose
     response parsed into the prompt format's fields, `rollout/action_valid` the share that also named at
@@ -436,9 +453,15 @@ def rollout_metrics(episodes: list[Episode], graded: tuple[str, ...] = ()) -> di
         return float(sum(values) / len(values)) if values else 0.0
 
     turns = [t for ep in episodes for t in ep.turns]
-    scores = {key: [t.info[key] for t in turns if t.info.get(key) is not None] for _, key in GRADED_SCORES}
-    for key in graded:
-        scores[key] = [t.info.get(key) or 0.0 for t in turns]
+    scores = {key: [] for _, key in GRADED_SCORES}
+    for ep in episodes:
+        keys = graded.get(ep.task, ()) if isinstance(graded, dict) else graded
+        for t in ep.turns:
+            for _, key in GRADED_SCORES:
+                if key in keys:
+                    scores[key].append(t.info.get(key) or 0.0)
+                elif t.info.get(key) is not None:
+                    scores[key].append(t.info[key])
     return {
         "rollout/success": mean(ep.success for ep in episodes),
         "rollout/reward_mean": mean(ep.total_reward for ep in episodes),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from vagen.config import task_configs
 from vagen.episode import ChatEncoder, Episode
-from vagen.rollout import Rollouts, close_envs, graded_scores, make_envs, rollout_metrics
+from vagen.rollout import Rollouts, close_envs, make_envs, rollout_metrics
 from vagen.staleness import Admission
 
 # Rollout metrics of the whole rollout (times, tokens) that a task's part adds to, not a mean of.
@@ -48,10 +48,10 @@ class TaskRollouts:
             close_envs(self.all_envs())
             raise
 
-    @property
-    def envs(self):
-        """The first task's environments (what reads a run's single-environment settings takes)."""
-        return self.pools[0]
+    def graded(self) -> dict[str, tuple[str, ...]]:
+        """Each task's graded fields (`vagen.rollout.graded_scores` of its prompt format), by task name, so that
+        `rollout_metrics` scores each task's turns by its own format."""
+        return {name: source.graded() for name, source in self.parts}
 
     def all_envs(self) -> list:
         """Every task's environments and worker pools, for `vagen.rollout.close_envs` (then the Ray instance
@@ -62,7 +62,9 @@ class TaskRollouts:
     def play(self, decoder, version: int, drain: bool = False) -> tuple[list[Episode], dict[str, float]]:
         """Each task's rollout in turn; its episodes' group ids shifted past the earlier tasks' groups (with
         rollout.max_staleness > 0 a task may end more groups than its share) and `task` set; the rollout's
-        timing summed and each task's metrics under rollout/<task>/."""
+        timing summed and each task's metrics under rollout/<task>/, over all its episodes (those whose
+        environment failed at reset included: `env_errors` counts them). Raises RuntimeError, on every rank,
+        naming the tasks whose environments failed in every episode of every rank."""
         episodes, stats, offset = [], dict.fromkeys(SUMMED, 0.0), 0
         for name, source in self.parts:
             played, part = source.play(decoder, version, drain)
@@ -72,11 +74,33 @@ class TaskRollouts:
             offset += len(played) // source.cfg.rollout.group_size
             for key, value in part.items():
                 stats[key] = stats.get(key, 0.0) + value if key in SUMMED else value
-            envs = source.envs
-            graded = graded_scores(envs[0] if isinstance(envs, list) else envs.example())
-            stats.update(task_metrics(name, [ep for ep in played if ep.turns], graded))
+            stats.update(task_metrics(name, played, source.graded()))
             episodes += played
+        refuse_failed_tasks([name for name, _ in self.parts], episodes)
         return episodes, stats
+
+
+def refuse_failed_tasks(names: list[str], episodes: list[Episode]) -> None:
+    """Raise RuntimeError naming each task of `names` that played episodes (over all ranks) of which none ran
+    without an environment error: such a task trains nothing while its metrics read as a task that fails.
+    Every rank calls it with its own episodes and raises alike."""
+    import torch
+
+    from vagen.distributed import all_reduce
+
+    counts = torch.tensor([[sum(ep.task == name for ep in episodes),
+                            sum(ep.task == name and ep.error is None for ep in episodes)] for name in names],
+                          dtype=torch.float64)
+    counts = all_reduce(counts)
+    failed = [(name, int(played)) for name, (played, fine) in zip(names, counts.tolist()) if played and not fine]
+    if failed:
+        first = {name: next((ep.error for ep in episodes if ep.task == name and ep.error), None) for name, _ in failed}
+        raise RuntimeError(
+            "rollout.tasks: the environments of " + "; ".join(
+                f"task {name} failed in all of its {played} episodes (on this rank: {first[name] or 'none played'})"
+                for name, played in failed)
+            + ". Fix that task's environment config (its env section: name, params, env.workers, env.backend), "
+              "or drop the task from rollout.tasks")
 
 
 def task_metrics(name: str, episodes: list[Episode], graded: tuple[str, ...] = ()) -> dict[str, float]:

@@ -262,7 +262,7 @@ def play(cfg, it: int, dist, models: Models, decoder, source, rewarder):
     import torch
 
     from vagen.distributed import all_reduce
-    from vagen.rollout import graded_scores, rollout_metrics
+    from vagen.rollout import rollout_metrics
 
     models.actor.module.eval()
     episodes, stats = source.play(decoder, version=it, drain=saves_at(it, cfg))
@@ -270,8 +270,7 @@ def play(cfg, it: int, dist, models: Models, decoder, source, rewarder):
     stats["rollout/carried_episodes"] = float(all_reduce(torch.tensor([stats["rollout/carried_episodes"]]))[0])
     if rewarder is not None:
         stats.update(rewarder(episodes))
-    envs = source.envs
-    stats.update(rollout_metrics(episodes, graded_scores(envs[0] if isinstance(envs, list) else envs.example())))
+    stats.update(rollout_metrics(episodes, source.graded()))  # each task's turns by its own prompt format
     for ep in episodes:  # an environment that raised ended only its own episode
         if ep.error is not None:
             print(f"[env error] rank {dist.rank}, iteration {it}, {ep.env_name} level {ep.seed}: {ep.error}",

@@ -104,15 +104,30 @@ class AgentLoop:
             logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, ids)]
         return Generated(ids, logprobs)
 
+    @staticmethod
+    def take_answers(game, decoding: bool) -> None:
+        """The environment answers that join the next pass (`rollout.env_wait_ms`): every one due (null), or
+        those that arrive within the wait; where the engine has nothing to decode (`decoding` false, no episode
+        ready), the first answer and those that follow it within the wait."""
+        wait_ms = game.ro.env_wait_ms
+        if wait_ms is None:
+            game.take_answers(block=True, all_of_them=True)
+            return
+        game.take_answers(block=True, all_of_them=True, until=time.perf_counter() + wait_ms / 1000)
+        while not decoding and not game.ready and game.pool.busy():
+            game.take_answers(block=True)
+            game.take_answers(block=True, all_of_them=True, until=time.perf_counter() + wait_ms / 1000)
+
     def play(self, game) -> None:
         """The agent loop (`vagen.rollout.Game`): each episode's next request joins the engine's running batch
         as soon as its observation is ready, and the engine steps (one forward pass over every running
         request) while the environments answer, so no episode waits for a turn boundary. Before each pass
-        the engine waits for every environment answer due (worker processes or actors step them in
-        parallel), so an episode's next turn joins the pass right after its response, as when its
-        environment steps in this process: workers never add forward passes (without the wait, answers
-        that came a few passes late spread episodes that moved together over twice the passes, each half
-        full; docs/benchmarks.md). A request is seeded by its episode's row and turn exactly as in
+        the engine waits for the environment answers due (`take_answers`) for rollout.env_wait_ms (10 ms by
+        default): the pass runs with the answers that came, so that environments (in worker processes or
+        actors) step while the engine decodes, and later answers join a later pass. With null it waits for
+        every one, so an episode's next turn joins the pass right after its response, as when its
+        environment steps in this process, and workers add no forward pass (docs/benchmarks.md has both).
+        A request is seeded by its episode's row and turn exactly as in
         the per-turn schedule (`request_seed` of `turn_seed`), so what an episode samples depends on neither
         its batch nor the order in which requests finish. Request ids name the episode and turn; the prefix
         cache serves each turn's history whatever request brought it. With rollout.max_staleness > 0 the game
@@ -128,7 +143,7 @@ class AgentLoop:
         self.engine_steps = self.engine_sequences = 0
         try:
             while True:
-                game.take_answers(block=True, all_of_them=True)  # every answer due joins this pass
+                self.take_answers(game, bool(running))
                 game.ended.count()
                 for row in game.ready:
                     episode = game.episodes[row]
