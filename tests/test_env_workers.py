@@ -220,7 +220,7 @@ def test_the_agent_loop_waits_for_environment_answers_as_rollout_env_wait_ms_say
                 game.respond(row, response)
             cfg.rollout.env_wait_ms = wait_ms
             t0 = time.perf_counter()
-            AgentLoop.take_answers(game, decoding)
+            AgentLoop.take_answers([game], decoding)
             took = time.perf_counter() - t0
             if wait_ms is None:  # every answer due
                 assert game.ready == [0, 1] and took >= 1.9, (game.ready, took)

@@ -130,6 +130,12 @@ class Rollouts:
         admission order, `group_id` their rank among them), and the rollout's metrics. Carried episodes go on
         first, new groups are admitted up to the bound; `drain`: every group admitted ends (before a
         checkpoint, which then holds no carried episode)."""
+        play_game(decoder, self.begin(version, drain))
+        return self.end()
+
+    def begin(self, version: int, drain: bool = False) -> Game:
+        """The first half of `play`: the carried episodes go on and new groups are admitted (their environments
+        reset); returns the game for a decoder to play (`vagen.tasks` plays every task's in one agent loop)."""
         cfg, game, share = self.cfg, self.game, self.admission.groups_per_rank
         game.start(version, drain)
         for number in self.admission.admit(version):
@@ -139,7 +145,12 @@ class Rollouts:
             game.admit(number, seed, sample_seed, index * cfg.rollout.group_size)
             game.sample_seed = sample_seed  # the per-turn schedule's, which plays k = 0 only (one iteration's groups)
         game.take_answers(block=True, all_of_them=True)
-        play_game(decoder, game)
+        return game
+
+    def end(self) -> tuple[list[Episode], dict[str, float]]:
+        """The second half of `play`, once the game is played: the episodes of the groups that ended whole and
+        the rollout's metrics."""
+        cfg, game = self.cfg, self.game
         episodes = game.collect()
         self.admission.end(len(episodes) // cfg.rollout.group_size)
         stats = dict(game.timing)
