@@ -11,6 +11,10 @@ the totals (`task_metrics`).
 With `rollout.max_staleness = k > 0` each task admits its own groups (`vagen.staleness.Admission`, kept per task
 in a checkpoint: `TaskAdmissions`) and its rollout ends once its share has ended whole; its unfinished episodes
 wait in its own `Game` and go on after the update, so a group is always one task's.
+
+With a decoder that has an agent loop (vLLM) every task's `Game` joins that one loop (`TaskRollouts.play`), so one
+engine pass decodes turns of several tasks; each request keeps its own task's turn budget and its seed by row and
+turn, so at rollout.max_staleness = 0 the episodes are those of the tasks played one after the other.
 """
 
 from __future__ import annotations
