@@ -275,15 +275,17 @@ class Game:
         """No episode generates again: none is ready, and no environment has an answer still to give."""
         return not self.ready and not self.responses
 
-    def take_answers(self, block: bool = False, all_of_them: bool = False, until: float | None = None) -> None:
+    def take_answers(self, block: bool = False, all_of_them: bool = False, until: float | None = None) -> int:
         """Apply the environments' answers that arrived (with `block`, wait for at least one while any is
         due; with `all_of_them`, for every one due, or until `time.perf_counter()` reaches `until`) and open
-        each answered episode's next turn."""
+        each answered episode's next turn. Returns how many answers it applied."""
+        taken = 0
         while True:
             t0 = time.perf_counter()
             timeout = None if until is None else max(0.0, until - t0)
             answers = self.pool.answers(block=block and self.pool.busy(), timeout=timeout)
             self.timing["timing/env"] += time.perf_counter() - t0
+            taken += len(answers)
             for answer in sorted(answers, key=lambda a: a.index):
                 if answer.kind == "reset":
                     self.reset_answered(answer)
@@ -298,6 +300,7 @@ class Game:
                 self.ready = [i for i in self.ready if i not in held]
                 self.waiting += held
         self.ready.sort()
+        return taken
 
     def reset_answered(self, answer) -> None:
         """A new episode, reset to its group's level seed; an environment that raised ends its own episode

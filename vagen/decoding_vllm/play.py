@@ -108,8 +108,8 @@ class AgentLoop:
     def take_answers(games, decoding: bool) -> None:
         """The environment answers that join the next pass (`rollout.env_wait_ms`), of every game: every one due
         (null), or those that arrive within the wait; where the engine has nothing to decode (`decoding`
-        false, no episode ready in any game), the first answer of the first game that awaits one, and those that
-        follow it within the wait."""
+        false, no episode ready in any game), the first answer of any game, and those that follow it within
+        the wait."""
         wait_ms = games[0].ro.env_wait_ms  # the run's (a task cannot set it)
         if wait_ms is None:
             for game in games:
@@ -126,7 +126,11 @@ class AgentLoop:
             busy = [game for game in games if game.pool.busy()]
             if not busy:
                 return
-            busy[0].take_answers(block=True)
+            if len(busy) == 1:
+                busy[0].take_answers(block=True)
+            else:  # whichever game's environments answer first: each asked in turn, briefly
+                while not any(game.take_answers(block=True, until=time.perf_counter() + 0.002) for game in busy):
+                    pass
             within_wait()
 
     def play(self, *games) -> None:
