@@ -29,7 +29,7 @@ rollout (the engine's compilation); the figures are means over the repeats.
 
 `--setting multitask` plays `multitask_visual`'s tasks (`vagen.tasks.TaskRollouts`, the run's own rollouts) for
 `--iterations` iterations after a warm-up rollout, each task's groups one task after another (each its own agent
-loop, as before every task shared one) and in one agent loop, and counts the forward passes per trained turn,
+loop) and in one agent loop, and counts the forward passes per trained turn,
 the passes that decoded turns of several tasks, and whether both played the same episodes.
 """
 
@@ -140,7 +140,7 @@ def play_tasks(args, overrides: list[str]) -> int:
                                             f"rollout.group_size={args.group_size}", *overrides])
     decoder = VLLMDecoder(path, encoder, dtype="float32", seed=0)
     scheduler = vllm_compat.scheduler(decoder.llm.llm_engine)
-    schedule, counts = scheduler.schedule, {"steps": 0, "sequences": 0, "mixed": 0}
+    schedule, counts = scheduler.schedule, {"steps": 0, "sequences": 0, "mixed": 0, "computed": 0}
 
     def counted(*a, **kw):  # request ids name their game: game-<task>-... in one loop
         output = schedule(*a, **kw)
@@ -148,14 +148,16 @@ def play_tasks(args, overrides: list[str]) -> int:
             counts["steps"] += 1
             counts["sequences"] += len(output.num_scheduled_tokens)
             counts["mixed"] += len({r.split("-")[1] for r in output.num_scheduled_tokens}) > 1
+            counts["computed"] += sum(output.num_scheduled_tokens.values())  # prefix-cache hits left out
         return output
 
     scheduler.schedule = counted
     rows, played = [], {}
     for together in (None, True, False):  # None: a warm-up rollout (the engine's compilation)
         source = TaskRollouts(encoder, cfg)
-        counts.update(steps=0, sequences=0, mixed=0)
-        t0, turns, tokens, episodes, generate = time.perf_counter(), 0, 0, [], 0.0
+        decoder.llm.reset_prefix_cache()  # both ways play the same levels: neither may find the other's prompts
+        counts.update(steps=0, sequences=0, mixed=0, computed=0)
+        t0, episodes, generate = time.perf_counter(), [], 0.0
         for iteration in range(1 if together is None else args.iterations):
             played_now, stats = source.play(decoder, iteration, together=bool(together))
             episodes += played_now
@@ -165,10 +167,9 @@ def play_tasks(args, overrides: list[str]) -> int:
         if together is None:
             continue
         turns = sum(len(ep.turns) for ep in episodes)
-        tokens = sum(t.response_length for ep in episodes for t in ep.turns)
         played[together] = [(ep.task, ep.group_id, ep.seed, ep.input_ids) for ep in episodes]
         rows.append(("one agent loop" if together else "one task after another", len(episodes), turns,
-                     counts["steps"], counts["sequences"], counts["mixed"], tokens, wall, generate))
+                     counts["steps"], counts["sequences"], counts["mixed"], counts["computed"], wall, generate))
         print(f"{rows[-1][0]}: {counts['steps']} passes, {turns} turns, {wall:.1f} s", flush=True)
     decoder.close()
     shutil.rmtree(work, ignore_errors=True)
@@ -178,11 +179,11 @@ def play_tasks(args, overrides: list[str]) -> int:
           f"temperature 1, CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads); the same episodes: "
           f"{played[True] == played[False]}")
     print("| tasks played | episodes | trained turns | forward passes | passes per trained turn | sequences / pass | "
-          "passes with several tasks | tokens | rollout wall s | engine s |")
+          "passes with several tasks | tokens computed | rollout wall s | engine s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, episodes, turns, steps, sequences, mixed, tokens, wall, generate in rows:
+    for name, episodes, turns, steps, sequences, mixed, computed, wall, generate in rows:
         print(f"| {name} | {episodes} | {turns} | {steps} | {steps / max(turns, 1):.2f} | "
-              f"{sequences / max(steps, 1):.1f} | {mixed} | {tokens} | {wall:.1f} | {generate:.1f} |")
+              f"{sequences / max(steps, 1):.1f} | {mixed} | {computed} | {wall:.1f} | {generate:.1f} |")
     return 0
 
 
