@@ -12,6 +12,9 @@ observation is ready). Information only: nothing is asserted. Runs in the vLLM e
     .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting wait_manipulation --groups 4 --group-size 4
                                                # rollout.env_wait_ms: every answer due against bounded waits
 
+    .venv-vllm/bin/python benchmarks/bench_agent_loop.py --setting multitask --iterations 2
+                                               # rollout.tasks: the tasks one after another against one loop
+
 (.venv-vllm has no Ray: `.venv-vllm/bin/python -m pip install --no-deps --target /tmp/ray "ray==2.60.0"` puts
 it beside the venv without changing it; the venv has Ray's own dependencies through vLLM's.)
 
@@ -23,6 +26,11 @@ or waiting for a worker's answer), the share of environment steps whose answer j
 after the response (all of them when environments step in this process), and the rollout's wall time per turn
 played (every played turn is trained at max_staleness 0). Each schedule plays the levels `--repeats` times after one warm-up
 rollout (the engine's compilation); the figures are means over the repeats.
+
+`--setting multitask` plays `multitask_visual`'s tasks (`vagen.tasks.TaskRollouts`, the run's own rollouts) for
+`--iterations` iterations after a warm-up rollout, each task's groups one task after another (each its own agent
+loop) and in one agent loop, and counts the forward passes per trained turn,
+the passes that decoded turns of several tasks, and whether both played the same episodes.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ SETTINGS = {  # config, overrides, (schedule, env.workers[, env.backend]) runs
     # the agent loop's wait for environment answers before each pass (rollout.env_wait_ms; None: every one due)
     "wait_navigation": ("navigation_visual", [], [("loop", 2, "process", None), ("loop", 2, "process", 0.0),
                                                   ("loop", 2, "process", 2.0), ("loop", 2, "process", 10.0)]),
+    "multitask": ("multitask_visual", [], []),  # `multitask`: rollout.tasks played by `TaskRollouts`
     "wait_manipulation": ("manipulation_visual", [], [("loop", 2, "process", None), ("loop", 2, "process", 0.0),
                                                       ("loop", 2, "process", 10.0), ("loop", 2, "process", 50.0)]),
 }
@@ -111,15 +120,87 @@ def count_answers_in_time(counts: dict) -> None:
     vagen.rollout.Game.respond, vagen.rollout.Game.step_answered = responded, answered
 
 
+def play_tasks(args, overrides: list[str]) -> int:
+    """`--setting multitask`: every task's episodes one task after another against one agent loop."""
+    import torch
+
+    from vagen import vllm_compat
+    from vagen.config import load_configs, task_configs
+    from vagen.decoding_vllm import VLLMDecoder
+    from vagen.episode import ChatEncoder
+    from vagen.models import load_policy
+    from vagen.rollout import close_envs
+    from vagen.tasks import TaskRollouts
+
+    work = Path(tempfile.mkdtemp(prefix="vagen_bench_tasks_"))
+    path = standard_warm_start("multitask_visual", work / "model")
+    _, processor = load_policy(path, "float32")
+    encoder = ChatEncoder(processor)
+    cfg = load_configs("multitask_visual", [f"model.path={path}", "rollout.temperature=1.0",
+                                            f"rollout.group_size={args.group_size}", *overrides])
+    decoder = VLLMDecoder(path, encoder, dtype="float32", seed=0)
+    scheduler = vllm_compat.scheduler(decoder.llm.llm_engine)
+    schedule, counts = scheduler.schedule, {"steps": 0, "sequences": 0, "mixed": 0, "computed": 0}
+
+    def counted(*a, **kw):  # request ids name their game: game-<task>-... in one loop
+        output = schedule(*a, **kw)
+        if output.num_scheduled_tokens:
+            counts["steps"] += 1
+            counts["sequences"] += len(output.num_scheduled_tokens)
+            counts["mixed"] += len({r.split("-")[1] for r in output.num_scheduled_tokens}) > 1
+            counts["computed"] += sum(output.num_scheduled_tokens.values())  # prefix-cache hits left out
+        return output
+
+    scheduler.schedule = counted
+    rows, played = [], {}
+    for together in (None, True, False):  # None: a warm-up rollout (the engine's compilation)
+        source = TaskRollouts(encoder, cfg)
+        decoder.llm.reset_prefix_cache()  # both ways play the same levels: neither may find the other's prompts
+        counts.update(steps=0, sequences=0, mixed=0, computed=0)
+        t0, episodes, generate = time.perf_counter(), [], 0.0
+        for iteration in range(1 if together is None else args.iterations):
+            played_now, stats = source.play(decoder, iteration, together=bool(together))
+            episodes += played_now
+            generate += stats["timing/generate"]
+        wall = time.perf_counter() - t0
+        close_envs(source.all_envs())
+        if together is None:
+            continue
+        turns = sum(len(ep.turns) for ep in episodes)
+        played[together] = [(ep.task, ep.group_id, ep.seed, ep.input_ids) for ep in episodes]
+        rows.append(("one agent loop" if together else "one task after another", len(episodes), turns,
+                     counts["steps"], counts["sequences"], counts["mixed"], counts["computed"], wall, generate))
+        print(f"{rows[-1][0]}: {counts['steps']} passes, {turns} turns, {wall:.1f} s", flush=True)
+    decoder.close()
+    shutil.rmtree(work, ignore_errors=True)
+
+    groups = ", ".join(f"{name} {sub.rollout.env_groups}" for name, sub in task_configs(cfg))
+    print(f"\nmultitask: multitask_visual ({groups} groups) x {args.group_size}, {args.iterations} iterations, "
+          f"temperature 1, CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads); the same episodes: "
+          f"{played[True] == played[False]}")
+    print("| tasks played | episodes | trained turns | forward passes | passes per trained turn | sequences / pass | "
+          "passes with several tasks | tokens computed | rollout wall s | engine s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, episodes, turns, steps, sequences, mixed, computed, wall, generate in rows:
+        print(f"| {name} | {episodes} | {turns} | {steps} | {steps / max(turns, 1):.2f} | "
+              f"{sequences / max(steps, 1):.1f} | {mixed} | {computed} | {wall:.1f} | {generate:.1f} |")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="sokoban64")
-    parser.add_argument("--groups", type=int, default=16, help="level groups")
+    parser.add_argument("--groups", type=int, default=None,
+                        help="level groups (default 16; multitask: the config's, shared out over the tasks)")
     parser.add_argument("--group-size", type=int, default=8, help="rollouts per level group")
     parser.add_argument("--repeats", type=int, default=1, help="measured rollouts per schedule, after a warm-up")
     parser.add_argument("--waits", default="", help="wait_* settings: the rollout.env_wait_ms values to run, "
                                                     "comma-separated, 'all' for null (default: the setting's)")
+    parser.add_argument("--iterations", type=int, default=2, help="--setting multitask: measured iterations")
     args = parser.parse_args(argv)
+    if args.setting == "multitask":
+        return play_tasks(args, [f"rollout.env_groups={args.groups}"] if args.groups else [])
+    args.groups = args.groups or 16
 
     import torch
 

@@ -220,7 +220,7 @@ def test_the_agent_loop_waits_for_environment_answers_as_rollout_env_wait_ms_say
                 game.respond(row, response)
             cfg.rollout.env_wait_ms = wait_ms
             t0 = time.perf_counter()
-            AgentLoop.take_answers(game, decoding)
+            AgentLoop.take_answers([game], decoding)
             took = time.perf_counter() - t0
             if wait_ms is None:  # every answer due
                 assert game.ready == [0, 1] and took >= 1.9, (game.ready, took)
@@ -232,3 +232,29 @@ def test_the_agent_loop_waits_for_environment_answers_as_rollout_env_wait_ms_say
             assert game.ready == [0, 1]
     finally:
         pool.close()
+
+
+def test_with_nothing_to_decode_the_agent_loop_takes_the_first_answer_of_any_task(tiny_text):
+    """Every task's game in one loop (rollout.tasks): with nothing to decode (rollout.env_wait_ms=0, so the fast
+    answer comes after the first look), the loop goes on with the answer of whichever task's environment answers
+    first, not after the slow one's. Task 0's environment steps in 2 s, task 1's in a few milliseconds."""
+    from vagen.decoding import Generated
+    from vagen.decoding_vllm.play import AgentLoop
+    from vagen.rollout import Game
+
+    _, _, tokenizer = tiny_text
+    cfg = load_config("sokoban_text", ["rollout.max_turns=5", "rollout.env_wait_ms=0"])
+    pools = [EnvWorkers(FaultyFactory(cfg.env, {(5, 0): "slow"}), 1, 1, 30.0), EnvWorkers(EnvFactory(cfg.env), 1, 1, 30.0)]
+    try:
+        games = [Game(ChatEncoder(tokenizer), cfg, [seed], 1, pool, False, 0) for seed, pool in zip((5, 6), pools)]
+        for game in games:
+            game.ready.clear()
+            game.respond(0, Generated(tokenizer.encode("no answer")))
+        t0 = time.perf_counter()
+        AgentLoop.take_answers(games, False)
+        assert (games[0].ready, games[1].ready) == ([], [0]) and time.perf_counter() - t0 < 1.5
+        games[0].take_answers(block=True, all_of_them=True)
+        assert games[0].ready == [0]
+    finally:
+        for pool in pools:
+            pool.close()

@@ -2,8 +2,9 @@
 
     .venv-vllm/bin/python -m pytest -m vllm tests/test_tasks_vllm.py
 
-Each task's requests take its own tokens per turn, and its groups keep their own ids; with rollout.max_staleness
-each task carries its own episodes over the update.
+One agent loop plays every task's episodes (one engine pass decodes turns of several tasks); each task's requests
+take its own tokens per turn, and its groups keep their own ids; with rollout.max_staleness each task carries its
+own episodes over the update.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from vagen.tasks import TaskRollouts
 pytestmark = pytest.mark.vllm
 
 
-def test_the_agent_loop_plays_each_task_with_its_own_tokens_per_turn(distributed, tmp_path):
+def _played(episodes):
+    return [(ep.task, ep.group_id, ep.seed, ep.input_ids, [t.reward for t in ep.turns]) for ep in episodes]
+
+
+def test_one_agent_loop_plays_every_task_with_its_own_tokens_per_turn(distributed, tmp_path):
+    """Every task's episodes in one engine loop: passes decode turns of both tasks, fewer passes than the tasks
+    played one after the other, and the same episodes (tokens, group ids) and metrics at the same seeds."""
+    from vagen import vllm_compat
+
     require_vllm()
     short = tmp_path / "frozenlake_short.yaml"
     short.write_text("env:\n  name: frozenlake\n  render_mode: text\nrollout:\n  max_new_tokens: 6\n")
@@ -38,12 +47,33 @@ def test_the_agent_loop_plays_each_task_with_its_own_tokens_per_turn(distributed
     _, processor = load_policy(path)
     encoder = ChatEncoder(processor)
     decoder = VLLMDecoder(path, encoder, dtype="float32", seed=0)
-    source = TaskRollouts(encoder, cfg)
+    scheduler = vllm_compat.scheduler(decoder.llm.llm_engine)
+    schedule, passes = scheduler.schedule, []
+
+    def counted(*args, **kwargs):  # the games (tasks, in one loop) of each pass that ran requests
+        output = schedule(*args, **kwargs)
+        if output.num_scheduled_tokens:
+            passes.append({request.split("-")[1] for request in output.num_scheduled_tokens})
+        return output
+
+    scheduler.schedule = counted
+    played = {}
     try:
-        episodes, stats = source.play(decoder, version=0)
+        for together in (False, True):
+            source = TaskRollouts(encoder, cfg)
+            try:
+                passes.clear()
+                played[together] = (*source.play(decoder, version=0, together=together), list(passes))
+            finally:
+                close_envs(source.all_envs())
     finally:
-        close_envs(source.all_envs())
         decoder.close()
+    (after, after_stats, after_passes), (episodes, stats, one_loop) = played[False], played[True]
+    assert _played(episodes) == _played(after)  # request seeds are per row and turn, whatever shares the pass
+    assert {k: v for k, v in stats.items() if "timing" not in k} == {
+        k: v for k, v in after_stats.items() if "timing" not in k}
+    assert any(games == {"0", "1"} for games in one_loop)  # a pass decoded turns of both tasks
+    assert len(one_loop) < len(after_passes), (len(one_loop), len(after_passes))
     assert [(ep.task, ep.group_id, ep.seed) for ep in episodes] == [
         ("sokoban_text", 0, 0), ("sokoban_text", 0, 0), ("sokoban_text", 1, 1), ("sokoban_text", 1, 1),
         ("frozenlake_short", 2, 0), ("frozenlake_short", 2, 0)]

@@ -66,8 +66,9 @@ class Decoder(Protocol):
         """The new ids of each episode; `rows` are the episodes' indices in the rollout, a subset of the
         previous call's within one rollout."""
 
-    # A decoder that batches continuously also has `play(game)`: its agent loop over a `vagen.rollout.Game`,
-    # each episode's next turn sent as soon as its observation is ready. Without it, the rollout plays the
+    # A decoder that batches continuously also has `play(*games)`: its agent loop over one or more
+    # `vagen.rollout.Game`s (with rollout.tasks, every task's), each episode's next turn sent as soon as its
+    # observation is ready. Without it, the rollout plays the
     # episodes turn by turn through `generate` (`vagen.rollout.play_in_turns`).
 
 

@@ -135,6 +135,12 @@ class Rollouts:
         admission order, `group_id` their rank among them), and the rollout's metrics. Carried episodes go on
         first, new groups are admitted up to the bound; `drain`: every group admitted ends (before a
         checkpoint, which then holds no carried episode)."""
+        play_game(decoder, self.begin(version, drain))
+        return self.end()
+
+    def begin(self, version: int, drain: bool = False) -> Game:
+        """The first half of `play`: the carried episodes go on and new groups are admitted (their environments
+        reset); returns the game for a decoder to play (`vagen.tasks` plays every task's in one agent loop)."""
         cfg, game, share = self.cfg, self.game, self.admission.groups_per_rank
         game.start(version, drain)
         for number in self.admission.admit(version):
@@ -144,7 +150,12 @@ class Rollouts:
             game.admit(number, seed, sample_seed, index * cfg.rollout.group_size)
             game.sample_seed = sample_seed  # the per-turn schedule's, which plays k = 0 only (one iteration's groups)
         game.take_answers(block=True, all_of_them=True)
-        play_game(decoder, game)
+        return game
+
+    def end(self) -> tuple[list[Episode], dict[str, float]]:
+        """The second half of `play`, once the game is played: the episodes of the groups that ended whole and
+        the rollout's metrics."""
+        cfg, game = self.cfg, self.game
         episodes = game.collect()
         self.admission.end(len(episodes) // cfg.rollout.group_size)
         stats = dict(game.timing)
@@ -269,15 +280,17 @@ class Game:
         """No episode generates again: none is ready, and no environment has an answer still to give."""
         return not self.ready and not self.responses
 
-    def take_answers(self, block: bool = False, all_of_them: bool = False, until: float | None = None) -> None:
+    def take_answers(self, block: bool = False, all_of_them: bool = False, until: float | None = None) -> int:
         """Apply the environments' answers that arrived (with `block`, wait for at least one while any is
         due; with `all_of_them`, for every one due, or until `time.perf_counter()` reaches `until`) and open
-        each answered episode's next turn."""
+        each answered episode's next turn. Returns how many answers it applied."""
+        taken = 0
         while True:
             t0 = time.perf_counter()
             timeout = None if until is None else max(0.0, until - t0)
             answers = self.pool.answers(block=block and self.pool.busy(), timeout=timeout)
             self.timing["timing/env"] += time.perf_counter() - t0
+            taken += len(answers)
             for answer in sorted(answers, key=lambda a: a.index):
                 if answer.kind == "reset":
                     self.reset_answered(answer)
@@ -292,6 +305,7 @@ class Game:
                 self.ready = [i for i in self.ready if i not in held]
                 self.waiting += held
         self.ready.sort()
+        return taken
 
     def reset_answered(self, answer) -> None:
         """A new episode, reset to its group's level seed; an environment that raised ends its own episode

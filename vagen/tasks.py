@@ -11,6 +11,10 @@ the totals (`task_metrics`).
 With `rollout.max_staleness = k > 0` each task admits its own groups (`vagen.staleness.Admission`, kept per task
 in a checkpoint: `TaskAdmissions`) and its rollout ends once its share has ended whole; its unfinished episodes
 wait in its own `Game` and go on after the update, so a group is always one task's.
+
+With a decoder that has an agent loop (vLLM) every task's `Game` joins that one loop (`TaskRollouts.play`), so one
+engine pass decodes turns of several tasks; each request keeps its own task's turn budget and its seed by row and
+turn, so at rollout.max_staleness = 0 the episodes are those of the tasks played one after the other.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ class TaskRollouts:
     """A training run's rollouts over `rollout.tasks` on one rank: a `vagen.rollout.Rollouts` per task, each with
     the environments of its own config (`env.workers` processes or Ray actors per task; (k + 1) x its share of
     episodes with rollout.max_staleness = k) and its own admission of groups (`admissions`, restored from a
-    checkpoint when the run resumes), played one task after the other before each update. `play` has the
-    interface of `Rollouts.play`."""
+    checkpoint when the run resumes), played before each update in one agent loop (vLLM) or one task after
+    the other (hf). `play` has the interface of `Rollouts.play`."""
 
     def __init__(self, encoder: ChatEncoder, cfg, rank: int = 0, world_size: int = 1, start: int = 0,
                  owner: str | None = None, admissions: TaskAdmissions | None = None):
@@ -59,15 +63,26 @@ class TaskRollouts:
         pools = [env for pool in self.pools for env in (pool if isinstance(pool, list) else [pool])]
         return pools + ([self.ray] if self.ray is not None else [])
 
-    def play(self, decoder, version: int, drain: bool = False) -> tuple[list[Episode], dict[str, float]]:
-        """Each task's rollout in turn; its episodes' group ids shifted past the earlier tasks' groups (with
-        rollout.max_staleness > 0 a task may end more groups than its share) and `task` set; the rollout's
-        timing summed and each task's metrics under rollout/<task>/, over all its episodes (those whose
-        environment failed at reset included: `env_errors` counts them). Raises RuntimeError, on every rank,
-        naming the tasks whose environments failed in every episode of every rank."""
+    def play(self, decoder, version: int, drain: bool = False, together: bool = True
+             ) -> tuple[list[Episode], dict[str, float]]:
+        """Every task's rollout: with a decoder that has an agent loop (`rollout.backend=vllm`) and `together`,
+        every task's game in that one loop, so that one engine pass decodes turns of several tasks (each
+        task's requests still take its own turn budgets, and its game its own admission); otherwise each
+        task's in turn (the hf backend's per-turn schedule). Each task's episodes' group ids shifted past the
+        earlier tasks' groups (with rollout.max_staleness > 0 a task may end more groups than its share) and
+        `task` set; the rollout's timing summed and each task's metrics under rollout/<task>/, over all its
+        episodes (those whose environment failed at reset included: `env_errors` counts them). Raises
+        RuntimeError, on every rank, naming the tasks whose environments failed in every episode of every
+        rank."""
+        if together and hasattr(decoder, "play"):
+            games = [source.begin(version, drain) for _, source in self.parts]
+            decoder.start_rollout()
+            decoder.play(*games)
+            results = [source.end() for _, source in self.parts]
+        else:
+            results = [source.play(decoder, version, drain) for _, source in self.parts]
         episodes, stats, offset = [], dict.fromkeys(SUMMED, 0.0), 0
-        for name, source in self.parts:
-            played, part = source.play(decoder, version, drain)
+        for (name, source), (played, part) in zip(self.parts, results):
             for ep in played:
                 ep.group_id += offset
                 ep.task = name

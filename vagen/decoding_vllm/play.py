@@ -105,59 +105,78 @@ class AgentLoop:
         return Generated(ids, logprobs)
 
     @staticmethod
-    def take_answers(game, decoding: bool) -> None:
-        """The environment answers that join the next pass (`rollout.env_wait_ms`): every one due (null), or
-        those that arrive within the wait; where the engine has nothing to decode (`decoding` false, no episode
-        ready), the first answer and those that follow it within the wait."""
-        wait_ms = game.ro.env_wait_ms
+    def take_answers(games, decoding: bool) -> None:
+        """The environment answers that join the next pass (`rollout.env_wait_ms`), of every game: every one due
+        (null), or those that arrive within the wait; where the engine has nothing to decode (`decoding`
+        false, no episode ready in any game), the first answer of any game, and those that follow it within
+        the wait."""
+        wait_ms = games[0].ro.env_wait_ms  # the run's (a task cannot set it)
         if wait_ms is None:
-            game.take_answers(block=True, all_of_them=True)
+            for game in games:
+                game.take_answers(block=True, all_of_them=True)
             return
-        game.take_answers(block=True, all_of_them=True, until=time.perf_counter() + wait_ms / 1000)
-        while not decoding and not game.ready and game.pool.busy():
-            game.take_answers(block=True)
-            game.take_answers(block=True, all_of_them=True, until=time.perf_counter() + wait_ms / 1000)
 
-    def play(self, game) -> None:
-        """The agent loop (`vagen.rollout.Game`): each episode's next request joins the engine's running batch
-        as soon as its observation is ready, and the engine steps (one forward pass over every running
-        request) while the environments answer, so no episode waits for a turn boundary. Before each pass
-        the engine waits for the environment answers due (`take_answers`) for rollout.env_wait_ms (10 ms by
-        default): the pass runs with the answers that came, so that environments (in worker processes or
+        def within_wait():
+            until = time.perf_counter() + wait_ms / 1000
+            for game in games:
+                game.take_answers(block=True, all_of_them=True, until=until)
+
+        within_wait()
+        while not decoding and not any(game.ready for game in games):
+            busy = [game for game in games if game.pool.busy()]
+            if not busy:
+                return
+            if len(busy) == 1:
+                busy[0].take_answers(block=True)
+            else:  # whichever game's environments answer first: each asked in turn, briefly
+                while not any(game.take_answers(block=True, until=time.perf_counter() + 0.002) for game in busy):
+                    pass
+            within_wait()
+
+    def play(self, *games) -> None:
+        """The agent loop over one or more games (`vagen.rollout.Game`; with rollout.tasks each task's, so that
+        one engine pass decodes turns of several tasks): each episode's next request joins the engine's
+        running batch as soon as its observation is ready, and the engine steps (one forward pass over every
+        running request) while the environments answer, so no episode waits for a turn boundary. Before each
+        pass the engine waits for the environment answers due (`take_answers`) for rollout.env_wait_ms (10 ms
+        by default): the pass runs with the answers that came, so that environments (in worker processes or
         actors) step while the engine decodes, and later answers join a later pass. With null it waits for
         every one, so an episode's next turn joins the pass right after its response, as when its
         environment steps in this process, and workers add no forward pass (docs/benchmarks.md has both).
         A request is seeded by its episode's row and turn exactly as in
-        the per-turn schedule (`request_seed` of `turn_seed`), so what an episode samples depends on neither
-        its batch nor the order in which requests finish. Request ids name the episode and turn; the prefix
-        cache serves each turn's history whatever request brought it. With rollout.max_staleness > 0 the game
-        closes once enough groups have ended: the requests running then finish, the episodes it holds wait
-        between turns (`Game.waiting`), and the loop returns once nothing runs; the next rollout sends them
-        on with the synced weights. `engine_steps` and `engine_sequences` count the forward passes and the
-        requests they ran."""
+        the per-turn schedule (`request_seed` of `turn_seed`), and takes its own game's turn budget
+        (`Game.request`), so what an episode samples depends on neither its batch, nor the order in which
+        requests finish, nor the other games played beside it. Request ids name the game, episode and turn;
+        the prefix cache serves each turn's history whatever request brought it. With rollout.max_staleness > 0
+        a game closes once enough of its groups have ended: the requests running then finish, the episodes it
+        holds wait between turns (`Game.waiting`), and the loop returns once nothing runs in any game; the next
+        rollout sends them on with the synced weights. `engine_steps` and `engine_sequences` count the forward
+        passes and the requests they ran; a pass's time goes to the first game's `timing/generate`."""
         from vllm.sampling_params import RequestOutputKind
 
+        assert games, "play needs at least one game"
         self._refuse_asleep()
-        engine, clock, timing = self.llm.llm_engine, time.perf_counter, game.timing
-        running: dict[str, int] = {}  # request id -> episode row
+        engine, clock, timing = self.llm.llm_engine, time.perf_counter, games[0].timing
+        running: dict[str, tuple] = {}  # request id -> (game, episode row)
         self.engine_steps = self.engine_sequences = 0
         try:
             while True:
-                self.take_answers(game, bool(running))
-                game.ended.count()
-                for row in game.ready:
-                    episode = game.episodes[row]
-                    params = self.sampling_params(*game.request(row))  # seeded by its group's rollout and row
-                    params.output_kind = RequestOutputKind.FINAL_ONLY
-                    request_id = f"episode-{row}-turn-{len(episode.turns)}"
-                    # What `LLM.generate` does to a prompt before `add_request`: the frames through vLLM's
-                    # processor.
-                    engine.add_request(request_id, compat.preprocess_prompt(self.llm, self.prompt(episode)), params,
-                                       lora_request=self.lora_request)
-                    running[request_id] = row
-                game.ready.clear()
+                self.take_answers(games, bool(running))
+                for number, game in enumerate(games):
+                    game.ended.count()
+                    for row in game.ready:
+                        episode = game.episodes[row]
+                        params = self.sampling_params(*game.request(row))  # seeded by its group's rollout and row
+                        params.output_kind = RequestOutputKind.FINAL_ONLY
+                        request_id = f"game-{number}-episode-{row}-turn-{len(episode.turns)}"
+                        # What `LLM.generate` does to a prompt before `add_request`: the frames through vLLM's
+                        # processor.
+                        engine.add_request(request_id, compat.preprocess_prompt(self.llm, self.prompt(episode)),
+                                           params, lora_request=self.lora_request)
+                        running[request_id] = (game, row)
+                    game.ready.clear()
                 if not running:
-                    if game.finished():
+                    if all(game.finished() for game in games):
                         return
                     continue
                 t0 = clock()
@@ -167,7 +186,7 @@ class AgentLoop:
                 timing["timing/generate"] += clock() - t0
                 for output in outputs:
                     if output.finished:
-                        row = running.pop(output.request_id)
+                        game, row = running.pop(output.request_id)
                         game.respond(row, self.completion(row, game.episodes[row], output))
         finally:
             # Requests of an agent loop stopped by an error would otherwise stay in the engine and be stepped
