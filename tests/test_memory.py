@@ -66,7 +66,7 @@ def test_checkpointing_keeps_each_layers_input_and_one_layer():
     full, ckpt = _acts(checkpointing=False), _acts(checkpointing=True)
     layers, h, tokens = TEXT["num_hidden_layers"], TEXT["hidden_size"], 2400
     per_layer = layer_bytes(TEXT, 2) * tokens
-    assert full.backward == ckpt.backward == per_layer
+    assert full.backward == ckpt.backward == 2 * (TEXT["intermediate_size"] + h) * 2 * tokens
     assert full.layers == layers * per_layer
     assert ckpt.layers == layers * h * 2 * tokens + per_layer
     # the saving is the layer factor, less the checkpoints: 36 layers of 134 kB a token against 4 kB inputs
@@ -87,7 +87,7 @@ def test_the_heads_float32_chunks_follow_vagen_update():
     rows = 4 * 603
     chunk = 4 * 4 * TEXT["vocab_size"] * update.head_chunk_rows(rows, TEXT["vocab_size"])
     h, count = TEXT["hidden_size"], 4 * 2400
-    assert acts.head == (4 + 4) * h * count + rows * h * 2 + chunk + 32 * count
+    assert acts.head == (4 + 4) * h * count + rows * h * 2 + chunk + 32 * count + TEXT["vocab_size"] * h * 2
 
 
 def test_vllm_step_tokens_follow_the_engine():

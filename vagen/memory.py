@@ -21,8 +21,12 @@ rank's own), the estimate adds what else lives on the GPU in each phase of an it
 larger phase when it is over G:
 
     rollout      states + vLLM's share + buckets + margin
-    update       states + activations + buckets + margin, + vLLM's share when vllm.sleep_mode=false
+    update       states + activations + step + buckets + margin, + vLLM's share when vllm.sleep_mode=false
                  (a sleeping engine releases its weights and KV cache during the update)
+
+    step         the float32 gradient partition ZeRO-1/2 builds for each optimizer step and frees after it,
+                 4 B a trained parameter over the N ranks (ZeRO-3: one sub_group_size at a time; `step_gib`):
+                 14 GiB at 3.75 B parameters on one rank
 
     vLLM         vllm.gpu_memory_utilization x G (rollout.backend=vllm): vLLM starts after the engines and
                  takes that share whatever else is resident. The share must hold the engine's weights, one
@@ -41,9 +45,9 @@ larger phase when it is over G:
                  decoder layer saves for backward per token, from the model's shape (hidden size,
                  intermediate size, heads, key-value heads), for train.micro_batch_size sequences of
                  rollout.max_trajectory_length tokens (the longest a sequence can be) over every layer, or,
-                 with model.gradient_checkpointing, each layer's input and one layer recomputed; one more
-                 layer's worth for the gradients in flight; the head's float32 [rows, vocabulary] chunks
-                 (`vagen.update.head_logprobs`); the vision tower's blocks over the frames of a sequence
+                 with model.gradient_checkpointing, each layer's input and one layer recomputed; the
+                 gradients in flight during a layer's backward (two [tokens, intermediate], two [tokens, h]); the head's float32 [rows, vocabulary] chunks
+                 (`vagen.update.head_logprobs`) and its weight's gradient before it is accumulated; the vision tower's blocks over the frames of a sequence
                  (max_turns frames, each of its image tokens x spatial_merge_size^2 patches) when it trains.
                  The critic runs after the actor's backward and has no vocabulary head, so the actor's is
                  the peak
@@ -315,7 +319,7 @@ def head_chunk_rows(rows: int, vocab: int) -> int:
 class Activations:
     """One micro-batch's activation memory in the update (module docstring, "activations"), in bytes."""
     layers: int  # what the decoder layers keep for backward (every layer's, or checkpoints + one layer)
-    backward: int  # gradients in flight: one layer's worth
+    backward: int  # gradients in flight during a layer's backward
     head: int  # the final norm, the gathered positions and the head's float32 chunks
     vision: int  # the vision tower's blocks over the sequence's frames (0 when it does not train)
     sequences: int
@@ -343,22 +347,27 @@ def activation_bytes(text: dict, vision: dict, *, sequences: int, tokens: int, g
     tokens, `generated` of them trained (the head's rows), and `patches` vision patches each, in activations of
     `width` bytes. Without checkpointing every layer keeps `layer_bytes` a token; with it (transformers'
     non-reentrant checkpoint of each decoder layer and vision block) each keeps its input (h x width) and one
-    layer is recomputed at a time. One more layer's worth is in flight as gradients during backward."""
+    layer is recomputed at a time. During a layer's backward, which frees what the layer saved as it goes, two
+    [tokens, intermediate] and two [tokens, h] gradients are in flight besides."""
     count = sequences * tokens
     layers, h = text["num_hidden_layers"], text["hidden_size"]
     per_layer = layer_bytes(text, width, attention, tokens) * count
     kept = layers * h * width * count + per_layer if checkpointing else layers * per_layer
+    # a layer's backward frees what it saved as it goes: beside it, two [tokens, intermediate] and two [tokens, h]
+    # gradients at once
+    flight = 2 * (text["intermediate_size"] + h) * width * count
     rows = sequences * min(generated, tokens)
     chunk = HEAD_CHUNK_TENSORS * 4 * text["vocab_size"] * head_chunk_rows(rows, text["vocab_size"])
-    # the final norm, the [rows, h] hidden states the head reads, and the float32 log-probabilities and losses
-    head = (4 + 2 * width) * h * count + rows * h * width + chunk + 8 * 4 * count
+    # the final norm, the [rows, h] hidden states the head reads, the float32 log-probabilities and losses, and
+    # the gradient of the [vocabulary, h] head (and embedding) weight before it is added to the stored gradient
+    head = (4 + 2 * width) * h * count + rows * h * width + chunk + 8 * 4 * count + text["vocab_size"] * h * width
     tower = 0
     if vision and vision_trained and patches:
         all_patches = sequences * patches
         block = vision_block_bytes(vision, width) * all_patches
         depth, vh = vision["depth"], vision["hidden_size"]
         tower = depth * vh * width * all_patches + block if checkpointing else depth * block
-    return Activations(kept, per_layer, head, tower, sequences, tokens, generated, patches, checkpointing)
+    return Activations(kept, flight, head, tower, sequences, tokens, generated, patches, checkpointing)
 
 
 def frame_patches(cfg, vision: dict) -> int:
@@ -517,6 +526,21 @@ def communication_gib(deepspeed: dict, width: int, trained: list[int], held: int
     return width * (reduce + gathered) / GIB, f"{detail}, {what}: {gathered:.2e} elements"
 
 
+def step_gib(deepspeed: dict, trained: int, ranks: int) -> float:
+    """GiB of the float32 gradient partition a ZeRO optimizer builds at each step of one engine and frees after
+    it (`deepspeed/runtime/zero/stage_1_and_2.py` `step`: the flat gradient partition cast to the master
+    weights' dtype; stage 3 does so one sub-group of at most `sub_group_size` elements at a time): 4 B for each
+    trained parameter of this rank's partition. ZeRO-0 steps the gradients it holds."""
+    zero = deepspeed.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage == 0:
+        return 0.0
+    count = trained / ranks
+    if stage == 3:
+        count = min(count, float(zero.get("sub_group_size", 1e9)))
+    return 4 * count / GIB
+
+
 def model_tensors(path: str) -> tuple[list | None, str]:
     """The parameter tensors of model.path, and where their count came from."""
     if path.startswith("builtin:"):
@@ -616,7 +640,8 @@ def estimate(cfg, ranks: int, deepspeed: dict, gpu_gib: float | None = None) -> 
     vllm = cfg.vllm.gpu_memory_utilization * gpu_gib if vllm_on else 0.0
     awake = vllm if vllm_on and not cfg.vllm.sleep_mode else 0.0
     rollout_phase = result + vllm + buckets + MARGIN_GIB
-    update_phase = result + activations + awake + buckets + MARGIN_GIB
+    step = step_gib(deepspeed, trained, ranks)
+    update_phase = result + activations + step + awake + buckets + MARGIN_GIB
     gpu_total = max(rollout_phase, update_phase)
     lines.append(f"  buckets    {buckets:6.1f} GiB of DeepSpeed's communication buffers ({how})")
     if vllm_on:
@@ -627,7 +652,11 @@ def estimate(cfg, ranks: int, deepspeed: dict, gpu_gib: float | None = None) -> 
         lines.append("  rollout    the hf rollout's key/value cache: not counted")
     lines.append(f"  margin     {MARGIN_GIB:6.1f} GiB (CUDA context, NCCL, allocator)")
     lines.append(f"  rollout    {rollout_phase:6.1f} GiB: states + " + ("vLLM + " if vllm_on else "") + "buckets + margin")
-    lines.append(f"  update     {update_phase:6.1f} GiB: states + activations + buckets + margin"
+    if step:
+        lines.append(f"  step       {step:6.1f} GiB: the float32 gradient partition DeepSpeed builds for each optimizer "
+                     f"step")
+    lines.append(f"  update     {update_phase:6.1f} GiB: states + activations + " + ("step + " if step else "")
+                 + "buckets + margin"
                  + (" + vLLM awake" if awake else ""))
     lines.append(f"  GPU total  {gpu_total:.1f} GiB of {size} GiB: {'fits' if gpu_total <= gpu_gib else 'does not fit'}")
     problems = []
