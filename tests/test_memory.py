@@ -17,6 +17,7 @@ from vagen.memory import (
     frame_patches,
     kv_bytes_per_token,
     layer_bytes,
+    step_gib,
     vllm_floor,
 )
 from vagen.preflight import missing_packages
@@ -90,6 +91,13 @@ def test_the_heads_float32_chunks_follow_vagen_update():
     assert acts.head == (4 + 4) * h * count + rows * h * 2 + chunk + 32 * count + TEXT["vocab_size"] * h * 2
 
 
+def test_the_zero_step_partition_is_bounded_by_the_sub_group_under_zero_3():
+    assert step_gib({"zero_optimization": {"stage": 0}}, 10**9, 1) == 0
+    assert step_gib({"zero_optimization": {"stage": 1}}, 10**9, 4) == 4 * 10**9 / 4 / GIB
+    assert step_gib({"zero_optimization": {"stage": 3, "sub_group_size": 10**8}}, 10**9, 2) == 4 * 10**8 / GIB
+    assert step_gib({"zero_optimization": {"stage": 3}}, 10**9, 2) == 4 * 10**9 / 2 / GIB
+
+
 def test_vllm_step_tokens_follow_the_engine():
     from vagen.decoding_vllm.engine import STEP_TOKENS
     from vagen.memory import VLLM_STEP_TOKENS
@@ -132,8 +140,12 @@ def test_the_update_phase_adds_activations_and_an_awake_vllm():
     share = cfg.vllm.gpu_memory_utilization * 80
     assert awake.update_gib == pytest.approx(asleep.update_gib + share, rel=1e-12)
     assert awake.rollout_gib == asleep.rollout_gib
-    # the phases' parts: the states and the margin in both, vLLM in the rollout, activations in the update
-    assert asleep.rollout_gib - asleep.update_gib == pytest.approx(share - asleep.activations.total / GIB, rel=1e-9)
+    # the phases' parts: the states and the margin in both, vLLM in the rollout, activations and the optimizer
+    # step's float32 gradient partition (ZeRO-2: 4 B a parameter over the 8 ranks) in the update
+    step = 4 * 3_754_622_976 / 8 / GIB
+    assert step_gib({"zero_optimization": {"stage": 2}}, 3_754_622_976, 8) == step
+    assert asleep.rollout_gib - asleep.update_gib == pytest.approx(share - asleep.activations.total / GIB - step,
+                                                                   rel=1e-9)
     assert asleep.gpu_total_gib == max(asleep.rollout_gib, asleep.update_gib)
     assert asleep.rollout_gib > asleep.total_gib + share + MARGIN_GIB
     _, four = _recipe(["train.micro_batch_size=4"])
