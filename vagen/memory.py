@@ -649,12 +649,12 @@ def estimate(cfg, ranks: int, deepspeed: dict, gpu_gib: float | None = None) -> 
                      f"of {size} GiB), " + ("asleep during the update (vllm.sleep_mode)" if cfg.vllm.sleep_mode
                                             else "awake during the update (vllm.sleep_mode=false)"))
     else:
-        lines.append("  rollout    the hf rollout's key/value cache: not counted")
+        lines.append("  hf cache   the hf rollout's key/value cache: not counted")
     lines.append(f"  margin     {MARGIN_GIB:6.1f} GiB (CUDA context, NCCL, allocator)")
-    lines.append(f"  rollout    {rollout_phase:6.1f} GiB: states + " + ("vLLM + " if vllm_on else "") + "buckets + margin")
     if step:
         lines.append(f"  step       {step:6.1f} GiB: the float32 gradient partition DeepSpeed builds for each optimizer "
                      f"step")
+    lines.append(f"  rollout    {rollout_phase:6.1f} GiB: states + " + ("vLLM + " if vllm_on else "") + "buckets + margin")
     lines.append(f"  update     {update_phase:6.1f} GiB: states + activations + " + ("step + " if step else "")
                  + "buckets + margin"
                  + (" + vLLM awake" if awake else ""))
@@ -698,6 +698,7 @@ def estimate(cfg, ranks: int, deepspeed: dict, gpu_gib: float | None = None) -> 
             fixes.append("LoRA (model.lora_rank > 0; the -lora recipes), which trains a fraction of the parameters")
         phase = ("the update" if update_phase >= rollout_phase else "the rollout")
         parts_text = (f"{result:.1f} GiB of model states, {activations:.1f} GiB of activations"
+                      + (f", {step:.1f} GiB of the optimizer step's float32 gradients" if step else "")
                       + (f", {awake:.1f} GiB of vLLM kept awake" if awake else "")
                       if phase == "the update" else f"{result:.1f} GiB of model states, {vllm:.1f} GiB of vLLM")
         problems.append(f"the estimate of {gpu_total:.1f} GiB per GPU in {phase} ({parts_text}, {buckets:.1f} GiB of "
