@@ -86,10 +86,10 @@ def steps(logs: Path, with_hf: bool = False, with_staleness: bool = False, with_
     bench = [py, "benchmarks/bench_gpu.py", *BENCH, "--cache", str(logs / "cache")]
     out = [Step("bandwidth", [py, "scripts/gpu_check.py", "--bandwidth", str(logs / "bandwidth.json")], 20),
            Step("bench vllm", [*bench, "--backend", "vllm", "--json", str(logs / "bench_vllm.json"), *BENCH_OVERRIDES],
-                220, [*BENCH, "--backend", "vllm", *BENCH_OVERRIDES]),
+                240, [*BENCH, "--backend", "vllm", *BENCH_OVERRIDES]),
            Step("pytest -m gpu", [py, "-m", "pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider",
-                                  "tests/test_gpu.py"], 120),
-           Step("engine linear", [py, "scripts/gpu_engine_check.py", "linear"], 70),
+                                  "tests/test_gpu.py"], 110),
+           Step("engine linear", [py, "scripts/gpu_engine_check.py", "linear"], 60),
            Step("engine egl", [py, "scripts/gpu_engine_check.py", "egl"], 20)]
     if with_runner:
         out.append(Step("engine runner", [py, "scripts/gpu_engine_check.py", "runner"], 150, default=False))

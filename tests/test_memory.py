@@ -152,6 +152,19 @@ def test_the_update_phase_adds_activations_and_an_awake_vllm():
     assert four.activations.layers == 4 * asleep.activations.layers
 
 
+def test_the_hf_rollout_holds_its_episodes_keys_and_values():
+    hf = ["rollout.backend=hf"]
+    _, short = _recipe(hf + ["rollout.max_trajectory_length=2400"])
+    _, long = _recipe(hf + ["rollout.max_trajectory_length=4800"])
+    _, vllm = _recipe()
+    episodes = 16 * 8 // 8  # the recipe's level groups x group size over 8 ranks
+    per_token = 36 * 2 * 2 * 128 * 2  # layers x keys and values x key-value heads x head_dim x bf16
+    assert kv_bytes_per_token(TEXT) == per_token
+    assert long.rollout_gib - short.rollout_gib == pytest.approx(episodes * 2400 * per_token / GIB, rel=1e-9)
+    assert short.rollout_gib - (vllm.rollout_gib - 0.3 * 80) == pytest.approx(episodes * 2400 * per_token / GIB,
+                                                                               rel=1e-9)
+
+
 def test_the_issue_case_three_changes_that_each_fit_refused_together():
     """The recipe passes at 8 x 80 GiB; without gradient checkpointing, at micro-batch 4 and with vLLM awake
     through the update it is refused, naming each of the three."""

@@ -20,7 +20,8 @@ With the GPU's memory G (`--gpu-gib G`, by default the visible GPU's; on a GPU `
 rank's own), the estimate adds what else lives on the GPU in each phase of an iteration, and refuses the
 larger phase when it is over G:
 
-    rollout      states + vLLM's share + buckets + margin
+    rollout      states + vLLM's share (rollout.backend=vllm) or the hf rollout's keys and values (the rank's
+                 episodes x rollout.max_trajectory_length) + buckets + margin
     update       states + activations + step + buckets + margin, + vLLM's share when vllm.sleep_mode=false
                  (a sleeping engine releases its weights and KV cache during the update)
 
@@ -639,7 +640,11 @@ def estimate(cfg, ranks: int, deepspeed: dict, gpu_gib: float | None = None) -> 
     size = f"{gpu_gib:.0f}" if gpu_gib == round(gpu_gib) else f"{gpu_gib:.1f}"  # 80, or 79.6 read from a GPU
     vllm = cfg.vllm.gpu_memory_utilization * gpu_gib if vllm_on else 0.0
     awake = vllm if vllm_on and not cfg.vllm.sleep_mode else 0.0
-    rollout_phase = result + vllm + buckets + MARGIN_GIB
+    episodes = max(1, cfg.rollout.env_groups * cfg.rollout.group_size // ranks)
+    # the hf rollout keeps every episode of the rank's batch in one key/value cache, up to its longest trajectory
+    cache = (episodes * cfg.rollout.max_trajectory_length * kv_bytes_per_token(shape[0], width) / GIB
+             if not vllm_on and shape else 0.0)
+    rollout_phase = result + vllm + cache + buckets + MARGIN_GIB
     step = step_gib(deepspeed, trained, ranks)
     update_phase = result + activations + step + awake + buckets + MARGIN_GIB
     gpu_total = max(rollout_phase, update_phase)
@@ -649,12 +654,15 @@ def estimate(cfg, ranks: int, deepspeed: dict, gpu_gib: float | None = None) -> 
                      f"of {size} GiB), " + ("asleep during the update (vllm.sleep_mode)" if cfg.vllm.sleep_mode
                                             else "awake during the update (vllm.sleep_mode=false)"))
     else:
-        lines.append("  hf cache   the hf rollout's key/value cache: not counted")
+        lines.append(f"  hf cache   {cache:6.1f} GiB: the hf rollout's keys and values, {episodes} episode(s) of this "
+                     f"rank x {cfg.rollout.max_trajectory_length:,} tokens" if shape else
+                     "  hf cache   the hf rollout's key/value cache: not counted (the model's shape is unknown)")
     lines.append(f"  margin     {MARGIN_GIB:6.1f} GiB (CUDA context, NCCL, allocator)")
     if step:
         lines.append(f"  step       {step:6.1f} GiB: the float32 gradient partition DeepSpeed builds for each optimizer "
                      f"step")
-    lines.append(f"  rollout    {rollout_phase:6.1f} GiB: states + " + ("vLLM + " if vllm_on else "") + "buckets + margin")
+    lines.append(f"  rollout    {rollout_phase:6.1f} GiB: states + " + ("vLLM + " if vllm_on else "hf cache + ")
+                 + "buckets + margin")
     lines.append(f"  update     {update_phase:6.1f} GiB: states + activations + " + ("step + " if step else "")
                  + "buckets + margin"
                  + (" + vLLM awake" if awake else ""))
@@ -694,13 +702,17 @@ def estimate(cfg, ranks: int, deepspeed: dict, gpu_gib: float | None = None) -> 
             else:
                 fixes.append("rollout.backend=hf: beside the states there is no room for what vLLM needs to start"
                              + (f" ({floor:.1f} GiB)" if floor is not None else ""))
+        if cache and rollout_phase > gpu_gib:
+            fixes.append(f"fewer episodes a rank (rollout.env_groups x rollout.group_size / ranks = {episodes}) or a "
+                         f"shorter rollout.max_trajectory_length, which the hf rollout's {cache:.1f} GiB cache holds")
         if m.lora_rank == 0:
             fixes.append("LoRA (model.lora_rank > 0; the -lora recipes), which trains a fraction of the parameters")
         phase = ("the update" if update_phase >= rollout_phase else "the rollout")
         parts_text = (f"{result:.1f} GiB of model states, {activations:.1f} GiB of activations"
                       + (f", {step:.1f} GiB of the optimizer step's float32 gradients" if step else "")
                       + (f", {awake:.1f} GiB of vLLM kept awake" if awake else "")
-                      if phase == "the update" else f"{result:.1f} GiB of model states, {vllm:.1f} GiB of vLLM")
+                      if phase == "the update" else f"{result:.1f} GiB of model states, "
+                      + (f"{vllm:.1f} GiB of vLLM" if vllm_on else f"{cache:.1f} GiB of the hf rollout's cache"))
         problems.append(f"the estimate of {gpu_total:.1f} GiB per GPU in {phase} ({parts_text}, {buckets:.1f} GiB of "
                         f"DeepSpeed buckets, a {MARGIN_GIB:.0f} GiB margin) does not fit a GPU of {size} GiB with "
                         f"{ranks} rank(s), by {over:.1f} GiB; use " + "; or ".join(fixes))
