@@ -1,5 +1,5 @@
 """The cross-field checks of vagen's config: `validate` runs when a `Config` is built (`Config.__post_init__`),
-`check_training`, `check_ranks` and `check_memory` (the per-GPU memory estimate) before a run starts, `machine_problems` against this environment and the
+`check_training` and `check_ranks` before a run starts, `machine_problems` against this environment and the
 checkpoint; each takes a `vagen.config.Config` (not imported here: `vagen.config` imports this module).
 Each message says what was received, what was expected and how to fix it. Like `vagen.config`,
 this module imports only the standard library and vagen's config sections, so that a mistake is reported
@@ -466,23 +466,6 @@ def check_ranks(cfg, world_size: int) -> None:
                           f"ranks that train them; raise rollout.env_groups or algo.filter_keep_ratio so that at "
                           f"least {world_size} groups are kept")
     check_vllm_ranks(cfg, world_size)
-
-
-def check_memory(cfg, ranks: int, gpu_gib: float) -> list[str]:
-    """The per-GPU memory estimate of `vagen.memory` for `ranks` ranks on GPUs of `gpu_gib` GiB; raises
-    ChecksFailed with the estimator's refusal (what does not fit, and what to change) when the larger phase of
-    an iteration is over the GPU or vLLM's share cannot start it. Returns the estimate's lines."""
-    import json
-
-    from vagen.memory import estimate
-
-    path = CONFIGS_DIR / cfg.train.deepspeed_config
-    if not path.is_file():
-        return []  # check_training and the DeepSpeed engines name the missing file
-    result = estimate(cfg, ranks, json.loads(path.read_text()), gpu_gib)
-    if result.problem:
-        raise ChecksFailed([result.problem], result.lines)
-    return result.lines
 
 
 def check_training(cfg) -> None:

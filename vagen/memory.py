@@ -718,3 +718,18 @@ def estimate(cfg, ranks: int, deepspeed: dict, gpu_gib: float | None = None) -> 
                         f"{ranks} rank(s), by {over:.1f} GiB; use " + "; or ".join(fixes))
     return Estimate(lines, result, gpu_total, "; and ".join(problems) if problems else None, acts, rollout_phase,
                     update_phase)
+
+
+def check_memory(cfg, ranks: int, gpu_gib: float) -> list[str]:
+    """`estimate` for `ranks` ranks on GPUs of `gpu_gib` GiB with train.deepspeed_config's settings; raises
+    vagen.config.ChecksFailed with the estimate's refusal (what does not fit, and what to change) when the
+    larger phase of an iteration is over the GPU or vLLM's share cannot start. Returns the estimate's lines."""
+    from vagen.config_checks import CONFIGS_DIR, ChecksFailed
+
+    path = CONFIGS_DIR / cfg.train.deepspeed_config
+    if not path.is_file():
+        return []  # check_training and the DeepSpeed engines name the missing file
+    result = estimate(cfg, ranks, json.loads(path.read_text()), gpu_gib)
+    if result.problem:
+        raise ChecksFailed([result.problem], result.lines)
+    return result.lines

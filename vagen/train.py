@@ -162,7 +162,7 @@ def check_gpu_memory(cfg, dist) -> None:
         return
     import torch
 
-    from vagen.config_checks import check_memory
+    from vagen.memory import check_memory
 
     check_memory(cfg, dist.world_size, torch.cuda.mem_get_info(dist.device)[1] / 2**30)
 
