@@ -26,8 +26,9 @@ records, from /proc/self/status:
 
 The run ends after the update (no checkpoint is written).
 
-`--activations` measures instead what `vagen.memory.activation_bytes` estimates: the rise of resident memory
-(VmHWM, reset just before) over one forward and backward of `vagen.update.token_logprobs` (the update's path:
+`--activations` measures instead what `vagen.memory.activation_bytes` estimates: the rise of anonymous resident
+memory (RssAnon, sampled every 5 ms; the resident total, VmHWM, also moves with library pages that a loaded
+machine evicts) over one forward and backward of `vagen.update.token_logprobs` (the update's path:
 the backbone, then the head's float32 chunks) on a batch of random tokens, each parameter's gradient dropped
 once accumulated (as ZeRO moves it into its buckets: gradients are model states, not activations), for the built-in tiny VLM and the Qwen2.5-0.5B text shape
 above (random weights, built from a config in memory, nothing saved), each at two micro-batch sizes, with and
@@ -276,6 +277,8 @@ def activation_worker(name: str, cache: str) -> list[dict]:
         ((logprobs + 0.001 * entropies) * inputs["loss_mask"]).sum().backward()
 
     step(batch(1, generated + 8))  # first-call allocations (thread pools, kernels' buffers) out of the way
+    sampler = Sampler(period=0.005)
+    sampler.start()
     rows = []
     for checkpointing in (False, True):
         if checkpointing:
@@ -285,18 +288,20 @@ def activation_worker(name: str, cache: str) -> list[dict]:
         for size in sizes:
             inputs = batch(size, tokens)
             gc.collect()
-            before = status("VmRSS")
+            before, before_anon = status("VmRSS"), status("RssAnon")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
+            sampler.reset()
             t0 = time.perf_counter()
             step(inputs)
-            measured = status("VmHWM") - before
             seconds = time.perf_counter() - t0
+            # anonymous memory: the resident total also moves with the library pages a loaded machine evicts
+            measured, hwm = max(sampler.anon, status("RssAnon")) - before_anon, status("VmHWM") - before
             estimate = activation_bytes(text, vision, sequences=size, tokens=tokens, generated=generated, patches=0,
                                         width=4, checkpointing=checkpointing)
             row = {"model": name, "parameters": sum(p.numel() for p in model.parameters()),
                          "micro_batch": size, "tokens": tokens, "generated": generated,
-                         "checkpointing": checkpointing, "measured": measured, "estimate": estimate.total,
+                         "checkpointing": checkpointing, "measured": measured, "hwm": hwm, "estimate": estimate.total,
                          "layers": estimate.layers, "backward": estimate.backward, "head": estimate.head,
                          "seconds": seconds}
             print(json.dumps(row), flush=True)  # a row at a time: a run stopped later keeps the ones before
@@ -409,8 +414,8 @@ def main(argv=None) -> int:
         return 0
     if args.activations is not None:
         rows = run_activations(args.cache, args.activations or sorted(ACTIVATION_MODELS, reverse=True))
-        print("\nOne forward and backward of vagen.update.token_logprobs, float32, one CPU thread; peak resident "
-              "memory above the resident size before it (each gradient dropped once accumulated)\n")
+        print("\nOne forward and backward of vagen.update.token_logprobs, float32, one CPU thread; peak anonymous "
+              "resident memory above where it stood before (each gradient dropped once accumulated)\n")
         print(activation_table(rows))
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

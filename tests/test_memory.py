@@ -88,7 +88,7 @@ def test_the_heads_float32_chunks_follow_vagen_update():
     rows = 4 * 603
     chunk = 4 * 4 * TEXT["vocab_size"] * update.head_chunk_rows(rows, TEXT["vocab_size"])
     h, count = TEXT["hidden_size"], 4 * 2400
-    assert acts.head == (4 + 4) * h * count + rows * h * 2 + chunk + 32 * count + TEXT["vocab_size"] * h * 2
+    assert acts.head == (4 + 4) * h * count + rows * h * 2 + chunk + 32 * count + 2 * TEXT["vocab_size"] * h * 2
 
 
 def test_the_zero_step_partition_is_bounded_by_the_sub_group_under_zero_3():
