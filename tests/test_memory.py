@@ -3,6 +3,10 @@ through `python -m vagen.config --ranks N --gpu-gib G` and at the start of train
 derived from the inputs (the model's shape, the micro-batch, the lengths), never copied from an earlier run."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +26,7 @@ from vagen.memory import (
 )
 from vagen.preflight import missing_packages
 
+REPO = Path(__file__).resolve().parent.parent
 SHAPE_3B = KNOWN_SHAPES["Qwen2.5-VL-3B-Instruct"]
 TEXT, VISION = SHAPE_3B["text"], SHAPE_3B["vision"]
 
@@ -250,3 +255,26 @@ def test_training_on_a_gpu_refuses_before_any_model_loads(monkeypatch, capsys, t
     total["gib"] = 40
     with pytest.raises(Reached):
         main(args)
+
+
+# The built-in tiny VLM's four passes take about a minute on a loaded 2-core machine, most of it starting Python
+# and building the model: slow.
+@pytest.mark.slow
+def test_the_activation_term_bounds_what_one_update_pass_takes_on_the_cpu(tmp_path):
+    """benchmarks/bench_memory.py --activations tiny: one forward and backward of vagen.update.token_logprobs at
+    micro-batches 1 and 4 of 512 tokens, with and without checkpointing. The estimate bounds the anonymous
+    resident memory each pass adds (docs/benchmarks.md, "The memory estimate's activation term": 0.6 to 0.9 of it
+    on this machine, from run to run; too loose a band to assert as a floor)."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_memory.py"), "--activations", "tiny",
+                           "--json", str(out), "--cache", str(tmp_path / "cache")], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [(r["micro_batch"], r["checkpointing"]) for r in rows] == [(1, False), (4, False), (1, True), (4, True)]
+    for row in rows:
+        assert 0 < row["measured"] <= row["estimate"], row
+    # and the measurement moves with the inputs as the estimate does: 4 sequences keep more than 1, and
+    # checkpointing keeps less
+    one, four, one_ckpt, four_ckpt = (r["measured"] for r in rows)
+    assert four > 2 * one and four_ckpt < four and one_ckpt < one
