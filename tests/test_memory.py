@@ -62,7 +62,8 @@ def _acts(**overrides):
 def test_doubling_the_micro_batch_doubles_what_the_layers_and_the_tower_keep():
     one, two = _acts(sequences=1), _acts(sequences=2)
     assert two.layers == 2 * one.layers and two.backward == 2 * one.backward and two.vision == 2 * one.vision
-    assert two.total > 1.9 * one.total
+    # the head's weight gradients do not grow with the batch; what each sequence adds does
+    assert two.total - one.total > one.layers + one.vision
     # so do longer sequences, for the language model
     longer = _acts(tokens=4800)
     assert longer.layers == 2 * one.layers and longer.vision == one.vision
@@ -93,7 +94,7 @@ def test_the_heads_float32_chunks_follow_vagen_update():
     rows = 4 * 603
     chunk = 4 * 4 * TEXT["vocab_size"] * update.head_chunk_rows(rows, TEXT["vocab_size"])
     h, count = TEXT["hidden_size"], 4 * 2400
-    assert acts.head == (4 + 4) * h * count + rows * h * 2 + chunk + 32 * count + 2 * TEXT["vocab_size"] * h * 2
+    assert acts.head == (4 + 4) * h * count + rows * h * 2 + chunk + 32 * count + 3 * TEXT["vocab_size"] * h * 2
 
 
 def test_the_zero_step_partition_is_bounded_by_the_sub_group_under_zero_3():

@@ -48,8 +48,8 @@ larger phase when it is over G:
                  rollout.max_trajectory_length tokens (the longest a sequence can be) over every layer, or,
                  with model.gradient_checkpointing, each layer's input and one layer recomputed; the
                  gradients in flight during a layer's backward (two [tokens, intermediate], two [tokens, h]); the head's float32 [rows, vocabulary] chunks
-                 (`vagen.update.head_logprobs`) and two [vocabulary, h] gradients of its weight (the sum of
-                 the chunks' and the one arriving); the vision tower's blocks over the frames of a sequence
+                 (`vagen.update.head_logprobs`) and three [vocabulary, h] gradients of its weight (the sum
+                 of the chunks', the one arriving, and their sum); the vision tower's blocks over the frames of a sequence
                  (max_turns frames, each of its image tokens x spatial_merge_size^2 patches) when it trains.
                  The critic runs after the actor's backward and has no vocabulary head, so the actor's is
                  the peak
@@ -361,9 +361,10 @@ def activation_bytes(text: dict, vision: dict, *, sequences: int, tokens: int, g
     rows = sequences * min(generated, tokens)
     chunk = HEAD_CHUNK_TENSORS * 4 * text["vocab_size"] * head_chunk_rows(rows, text["vocab_size"])
     # the final norm, the [rows, h] hidden states the head reads, the float32 log-probabilities and losses, and
-    # the gradient of the [vocabulary, h] head weight twice: autograd sums the head's chunks (and a tied
-    # embedding's) into one buffer before the weight's gradient is stored, and holds it beside the next one
-    head = (4 + 2 * width) * h * count + rows * h * width + chunk + 8 * 4 * count + 2 * text["vocab_size"] * h * width
+    # three [vocabulary, h] gradients of the head weight: autograd sums the head's chunks (and a tied
+    # embedding's) into one buffer before the weight's gradient is stored, beside the one arriving and their sum
+    # (bench_memory.py --activations: 0.5 B's measured peaks sit one such tensor above a count of two)
+    head = (4 + 2 * width) * h * count + rows * h * width + chunk + 8 * 4 * count + 3 * text["vocab_size"] * h * width
     tower = 0
     if vision and vision_trained and patches:
         all_patches = sequences * patches
