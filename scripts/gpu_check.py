@@ -58,9 +58,9 @@ MODULES = {"torch": "the GPU install line", "transformers": "the GPU install lin
 INSTALL = 'pip install -c constraints/gpu.txt -e ".[vllm,lora]" pytest hypothesis'
 
 # The benchmark's configuration: Qwen2.5-VL-3B's shape, 4 level groups x 8 rollouts of 2 turns x 128 new tokens
-# (one step of 16), GRPO with LoRA r=64 on one rank, 2,048 tokens a trajectory (a turn is ~600 tokens of history
-# and frame), vLLM's share 0.3 of the GPU: the estimate is ~36 GiB on 80 (the full actor alone would be 77.5 GiB,
-# too close to an H100's 79.6 GiB to start reliably, and a critic 156 GiB).
+# (two optimizer steps of 16), GRPO with LoRA r=64 on one rank, 2,048 tokens a trajectory (a turn is ~600 tokens of history
+# and frame), vLLM's share 0.3 of the GPU: the estimate is ~36 GiB on 80 (the full actor alone would be 78.7 GiB,
+# too close to an H100's 79.6 GiB to run reliably, and with a critic 156 GiB).
 BENCH = ["--shape", "3b", "--groups", "4", "--group-size", "8", "--turns", "2", "--max-new-tokens", "128",
          "--iterations", "2"]
 BENCH_OVERRIDES = ["algo.adv_estimator=grpo", "model.lora_rank=64", "rollout.max_trajectory_length=2048",
