@@ -15,13 +15,15 @@ weights with fp32 master weights (`deepspeed/zero2_bf16.json`), gradient checkpo
 processor are the built-in tiny model's; the model keeps Qwen2.5-VL's 151,936-entry vocabulary, so
 the language-model head, log-probabilities and sampling cost what they cost at 3B. A random policy
 rarely writes `</answer>`, so nearly every turn runs to the token limit: the worst case of a rollout.
-No checkpoint is written (a 3B actor and critic with their optimizer states would take minutes).
+No checkpoint is written (a 3B actor and critic with their optimizer states would take minutes). On a GPU the
+configuration is checked first against the GPU's memory by vagen's estimate (`memory_estimate`), and refused
+before the checkpoint is built when it does not fit: the defaults at the 3B shape (an actor and a critic, 112 GiB
+of model states) need `algo.adv_estimator=grpo model.lora_rank=64` on one 80 GB GPU, as scripts/gpu_check.sh runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -59,7 +61,7 @@ def build_checkpoint(shape: str, out: Path, cache: str) -> Path:
     import torch
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
-    from vagen.models import load_policy, resolve_model_path
+    from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, load_policy, resolve_model_path
 
     tiny = resolve_model_path("builtin:tiny-vl", cache, seed=0)
     if SHAPES[shape] is None:
@@ -77,6 +79,11 @@ def build_checkpoint(shape: str, out: Path, cache: str) -> Path:
         setattr(config.vision_config, key, value)
     if "tie_word_embeddings" in spec:
         config.tie_word_embeddings = spec["tie_word_embeddings"]
+    # a standard checkpoint of this shape: without the built-in's image hooks, which stock vLLM does not run (the
+    # config check refuses them under rollout.backend=vllm)
+    for key in (CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE):
+        if hasattr(config, key):
+            delattr(config, key)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     with torch.device(device):
@@ -88,7 +95,7 @@ def build_checkpoint(shape: str, out: Path, cache: str) -> Path:
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="3b")
     parser.add_argument("--config", default="sokoban_visual")
@@ -102,37 +109,34 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", default="~/.cache/vagen", help="where the built-in tiny model is built")
     parser.add_argument("--json", default=None, help="also write the iterations after the first as one JSON row")
     parser.add_argument("overrides", nargs="*", help="further section.key=value overrides")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     import torch
 
     import vagen.run
-    from vagen import config as config_module
     from vagen.train import main as train
 
     on_gpu = torch.cuda.is_available()
+    if on_gpu:  # refused before a checkpoint is built, as training refuses before a model loads
+        gpu_gib = torch.cuda.mem_get_info()[1] / 2**30
+        result = memory_estimate(args, gpu_gib)
+        print("\n".join(result.lines))
+        if result.problem:
+            print(f"bench_gpu.py: {result.problem}", file=sys.stderr)
+            return 2
     work = Path(tempfile.mkdtemp(prefix="vagen_bench_gpu_"))
     t0 = time.perf_counter()
     path = build_checkpoint(args.shape, work / "model", args.cache)
     build_s = time.perf_counter() - t0
-    mini = args.groups * args.group_size // 2
-    overrides = [
-        f"model.path={path}", f"model.dtype={'bfloat16' if on_gpu else 'float32'}",
-        "model.gradient_checkpointing=true",
-        f"train.deepspeed_config=deepspeed/{'zero2_bf16' if on_gpu else 'zero0_fp32'}.json",
-        f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
-        f"rollout.max_turns={args.turns}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        "rollout.max_trajectory_length=8192", f"train.iterations={args.iterations}",
-        f"train.mini_batch_size={mini}", "train.micro_batch_size=4", "eval.every=0",
-        f"train.run_dir={work / 'runs'}", "train.run_name=bench", "log.tensorboard=false", "log.progress=false",
-        f"model.builtin_cache={args.cache}", f"rollout.backend={args.backend}",
-    ]
-    if "warm_start" in {f.name for f in dataclasses.fields(config_module.ModelConfig)}:
-        overrides.append("model.warm_start=none")
+    overrides = train_overrides(args, str(path), on_gpu, work)
     vagen.run.RunDir.maybe_save = lambda *a, **k: None  # see the module docstring: no checkpoint
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    code = train(["--config", args.config, *overrides, *args.overrides])
+    code = train(["--config", args.config, *overrides])
     if code:
         return code
     records = [json.loads(line) for line in (work / "runs" / "bench" / "metrics.jsonl").read_text().splitlines()]
@@ -161,6 +165,45 @@ def main(argv=None) -> int:
         later = records[1:] or records
         Path(args.json).write_text(json.dumps(summary(later, args, peak, device)) + "\n")
     return 0
+
+
+# The published checkpoint whose shape each --shape is: the memory estimate counts its parameters by this name
+# (vagen.memory.KNOWN_SHAPES) before the random checkpoint exists.
+SHAPE_NAMES = {"3b": "Qwen2.5-VL-3B-Instruct", "7b": "Qwen2.5-VL-7B-Instruct"}
+
+
+def train_overrides(args, path: str, on_gpu: bool, work: Path | None = None) -> list[str]:
+    """The overrides the benchmark trains `args.config` with (the command line's own `args.overrides` last)."""
+    mini = args.groups * args.group_size // 2
+    overrides = [
+        f"model.path={path}", f"model.dtype={'bfloat16' if on_gpu else 'float32'}",
+        "model.gradient_checkpointing=true",
+        f"train.deepspeed_config=deepspeed/{'zero2_bf16' if on_gpu else 'zero0_fp32'}.json",
+        f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
+        f"rollout.max_turns={args.turns}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        "rollout.max_trajectory_length=8192", f"train.iterations={args.iterations}",
+        f"train.mini_batch_size={mini}", "train.micro_batch_size=4", "eval.every=0",
+        "train.run_name=bench", "log.tensorboard=false", "log.progress=false",
+        f"model.builtin_cache={args.cache}", f"rollout.backend={args.backend}",
+    ]
+    if work is not None:
+        overrides.append(f"train.run_dir={work / 'runs'}")
+    return overrides + list(args.overrides)
+
+
+def memory_estimate(args, gpu_gib: float):
+    """vagen.memory's per-GPU estimate of the benchmark's configuration on one rank with a GPU of `gpu_gib`
+    GiB (the shape counted from its published checkpoint's name; the built-in tiny model is not estimated)."""
+    import json as json_module
+
+    from vagen.config import CONFIGS_DIR, load_configs
+    from vagen.memory import estimate
+
+    name = SHAPE_NAMES.get(args.shape, "builtin:tiny-vl")
+    path = name if name.startswith("builtin:") else f"/models/{name}"
+    cfg = load_configs([args.config], train_overrides(args, path, True), require_checkpoint=False)
+    deepspeed = json_module.loads((CONFIGS_DIR / cfg.train.deepspeed_config).read_text())
+    return estimate(cfg, 1, deepspeed, gpu_gib)
 
 
 def summary(records: list[dict], args, peak_gib: float, device: str) -> dict:

@@ -6,6 +6,7 @@ and, for comparison, built whole on every rank first (the way before it); prints
     python benchmarks/bench_memory.py --layers 8         # the same width with 8 layers (~0.26 B)
     python benchmarks/bench_memory.py --settings zero3-1 zero3-2 --kl
     python benchmarks/bench_memory.py --estimator grpo   # the actor alone (a 24 GiB host at 24 layers)
+    python benchmarks/bench_memory.py --activations      # the estimate's activation term against measured peaks
 
 The model is Qwen2.5-VL-shaped with random weights and the real 151,936-entry vocabulary: text hidden
 896, 14 heads / 2 key-value heads, intermediate 4864 (Qwen2.5-0.5B's text shape) and a small vision tower
@@ -23,7 +24,15 @@ records, from /proc/self/status:
 - anon / file: the highest anonymous and file-backed resident sizes a sampling thread saw (every 20 ms),
   since VmHWM also counts pages of the checkpoint file that loading maps.
 
-The run ends after the update (no checkpoint is written). MALLOC_MMAP_THRESHOLD_=65536 returns freed
+The run ends after the update (no checkpoint is written).
+
+`--activations` measures instead what `vagen.memory.activation_bytes` estimates: the rise of anonymous resident
+memory (RssAnon, sampled every 5 ms; the resident total, VmHWM, also moves with library pages that a loaded
+machine evicts) over one forward and backward of `vagen.update.token_logprobs` (the update's path:
+the backbone, then the head's float32 chunks) on a batch of random tokens, each parameter's gradient dropped
+once accumulated (as ZeRO moves it into its buckets: gradients are model states, not activations), for the built-in tiny VLM and the Qwen2.5-0.5B text shape
+above (random weights, built from a config in memory, nothing saved), each at two micro-batch sizes, with and
+without gradient checkpointing; float32 on the CPU, one thread, text only (no frames: the tower's term is 0). MALLOC_MMAP_THRESHOLD_=65536 returns freed
 tensors to the operating system, so that peaks are not hidden by memory the allocator keeps.
 """
 
@@ -209,6 +218,125 @@ def worker(out: Path, whole: bool, train_args: list[str]) -> None:
     raise SystemExit("vagen.train returned without reaching ppo_update")
 
 
+# -- the activation term against measured peaks -----------------------------------------------------------
+
+# name: (micro-batch sizes, tokens per sequence, trained positions per sequence); kept small enough that the
+# 0.5B model's four passes take a few CPU-minutes
+ACTIVATION_MODELS = {"tiny": ((1, 4), 512, 195), "0.5b": ((1, 2), 128, 96)}
+
+
+def activation_model(name: str, cache: str):
+    """The built-in tiny VLM (`name="tiny"`) or the Qwen2.5-0.5B text shape over its vision tower, with random
+    weights, float32, built from a config (nothing is downloaded or saved)."""
+    import torch
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    from vagen.models import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path("builtin:tiny-vl", os.path.expanduser(cache), seed=0))
+    if name == "0.5b":
+        text = config.get_text_config()
+        for key, value in {**TEXT, "num_hidden_layers": 24}.items():
+            setattr(text, key, value)
+        text.rope_parameters = dict(text.rope_parameters, mrope_section=MROPE_SECTION)
+        text.layer_types = ["full_attention"] * 24
+        if getattr(text, "head_dim", None) is not None:
+            text.head_dim = text.hidden_size // text.num_attention_heads
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32)
+    return model, config.get_text_config().to_dict(), config.vision_config.to_dict()
+
+
+def activation_worker(name: str, cache: str) -> list[dict]:
+    """One row per (micro-batch, checkpointing) of model `name`: the measured rise of the peak resident memory
+    over one forward and backward, and the estimate's activation term. Run with MALLOC_MMAP_THRESHOLD_ set
+    (the driver does), so that freed tensors leave the resident size."""
+    import gc
+
+    import torch
+
+    from vagen.memory import activation_bytes
+    from vagen.update import token_logprobs
+
+    torch.set_num_threads(1)
+    sizes, tokens, generated = ACTIVATION_MODELS[name]
+    model, text, vision = activation_model(name, cache)
+    model.train()
+    for p in model.parameters():  # each gradient dropped once it is accumulated, as ZeRO moves it to its buckets
+        p.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
+    generator = torch.Generator().manual_seed(0)
+
+    def batch(rows: int, length: int) -> dict:
+        ids = torch.randint(10, text["vocab_size"], (rows, length), generator=generator)
+        loss_mask = torch.zeros(rows, length, dtype=torch.long)
+        loss_mask[:, -generated:] = 1
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+
+    def step(inputs: dict) -> None:
+        logprobs, entropies = token_logprobs(model, inputs, 1.0, with_entropy=True)
+        ((logprobs + 0.001 * entropies) * inputs["loss_mask"]).sum().backward()
+
+    step(batch(1, generated + 8))  # first-call allocations (thread pools, kernels' buffers) out of the way
+    sampler = Sampler(period=0.005)
+    sampler.start()
+    rows = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        for size in sizes:
+            inputs = batch(size, tokens)
+            gc.collect()
+            before, before_anon = status("VmRSS"), status("RssAnon")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            sampler.reset()
+            t0 = time.perf_counter()
+            step(inputs)
+            seconds = time.perf_counter() - t0
+            # anonymous memory: the resident total also moves with the library pages a loaded machine evicts
+            measured, hwm = max(sampler.anon, status("RssAnon")) - before_anon, status("VmHWM") - before
+            estimate = activation_bytes(text, vision, sequences=size, tokens=tokens, generated=generated, patches=0,
+                                        width=4, checkpointing=checkpointing)
+            row = {"model": name, "parameters": sum(p.numel() for p in model.parameters()),
+                         "micro_batch": size, "tokens": tokens, "generated": generated,
+                         "checkpointing": checkpointing, "measured": measured, "hwm": hwm, "estimate": estimate.total,
+                         "layers": estimate.layers, "backward": estimate.backward, "head": estimate.head,
+                         "seconds": seconds}
+            print(json.dumps(row), flush=True)  # a row at a time: a run stopped later keeps the ones before
+            rows.append(row)
+            del inputs
+    return rows
+
+
+def activation_table(rows: list[dict]) -> str:
+    lines = ["| model | micro-batch x tokens | checkpointing | estimate MiB (layers + backward + head) | "
+             "measured MiB | measured / estimate | s |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    mib = 2**20
+    for r in rows:
+        lines.append(f"| {r['model']} ({r['parameters'] / 1e9:.3f} B) | {r['micro_batch']} x {r['tokens']} | "
+                     f"{'yes' if r['checkpointing'] else 'no'} | {r['estimate'] / mib:,.1f} ({r['layers'] / mib:,.1f} "
+                     f"+ {r['backward'] / mib:,.1f} + {r['head'] / mib:,.1f}) | {r['measured'] / mib:,.1f} | "
+                     f"{r['measured'] / r['estimate']:.2f} | {r['seconds']:.1f} |")
+    return "\n".join(lines)
+
+
+def run_activations(cache: str, models: list[str]) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
+    rows = []
+    for name in models:
+        t0 = time.perf_counter()
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--activation-worker", name,
+                               "--cache", cache], env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"the {name} activation run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return rows
+
+
 # -- the driver ----------------------------------------------------------------------------------------
 
 def free_port() -> int:
@@ -268,6 +396,10 @@ def main(argv=None) -> int:
     parser.add_argument("--estimator", choices=sorted(ESTIMATORS), default="turn_gae",
                         help="turn_gae: actor and critic; grpo: the actor alone (at 24 layers, fits a 24 GiB host)")
     parser.add_argument("--cache", default="~/.cache/vagen/bench_memory", help="where the checkpoint is built")
+    parser.add_argument("--activations", nargs="*", choices=sorted(ACTIVATION_MODELS), default=None,
+                        help="measure the activation term instead (default: both models)")
+    parser.add_argument("--json", default=None, help="with --activations: also write the rows as JSON")
+    parser.add_argument("--activation-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -276,6 +408,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         worker(Path(args.out), args.whole, json.loads(args.train_args))
+        return 0
+    if args.activation_worker:
+        activation_worker(args.activation_worker, args.cache)
+        return 0
+    if args.activations is not None:
+        rows = run_activations(args.cache, args.activations or sorted(ACTIVATION_MODELS, reverse=True))
+        print("\nOne forward and backward of vagen.update.token_logprobs, float32, one CPU thread; peak anonymous "
+              "resident memory above where it stood before (each gradient dropped once accumulated)\n")
+        print(activation_table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
         return 0
 
     model, count = build_checkpoint(args.layers, args.cache, log=True)

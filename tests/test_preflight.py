@@ -252,11 +252,11 @@ def test_gpu_total_adds_vllm_buckets_and_the_margin_hand_checked(tmp_path):
     assert result.total_gib == pytest.approx(states / GIB, rel=1e-12)
     assert result.gpu_total_gib == pytest.approx((states + buckets) / GIB + 0.25 * 40 + MARGIN_GIB, rel=1e-12)
     assert result.problem is None and result.lines[-1].endswith("GiB of 40 GiB: fits")
-    small = estimate(cfg, 2, ds, gpu_gib=20)  # 5 GiB of vLLM + 6 of margin + states: fits 20
+    small = estimate(cfg, 2, ds, gpu_gib=20)  # 5 GiB of vLLM + the margin + states: fits 20
     assert small.problem is None
-    tiny = estimate(cfg, 2, ds, gpu_gib=7)  # 1.75 + 6 > 7
-    assert tiny.lines[-1].endswith("GiB of 7 GiB: does not fit")
-    assert "does not fit a GPU of 7 GiB with 2 rank(s)" in tiny.problem and "more ranks" in tiny.problem
+    tiny = estimate(cfg, 2, ds, gpu_gib=4)  # 1 GiB of vLLM + the 3 GiB margin + states > 4
+    assert MARGIN_GIB == 3.0 and tiny.lines[-1].endswith("GiB of 4 GiB: does not fit")
+    assert "does not fit a GPU of 4 GiB with 2 rank(s)" in tiny.problem and "more ranks" in tiny.problem
     # without the GPU's size, nothing is refused and vLLM's share is named as not counted
     none = estimate(cfg, 2, ds)
     assert none.gpu_total_gib is None and none.problem is None
@@ -380,7 +380,9 @@ def test_the_gpu_size_defaults_to_the_visible_gpus(tmp_path):
     env = _fake_vllm(tmp_path) | {"PATH": f"{smi.parent}{os.pathsep}{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "0"}
     done = _config_cli("sokoban_visual", "--config", "recipes/qwen2.5-vl-7b", "--ranks", "8", env=env)
     assert done.returncode == 0, done.stderr
-    assert "  GPU total  72.4 GiB of 79.6 GiB: fits" in done.stdout.splitlines()  # 81,559 MiB; vLLM 0.4 of it
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("  GPU total")]
+    assert line.endswith(" GiB of 79.6 GiB: fits"), line  # 81,559 MiB
+    assert f"  vLLM       {0.4 * 81559 / 1024:6.1f} GiB" in done.stdout  # vllm.gpu_memory_utilization=0.4 of it
     done = _config_cli("sokoban_visual", "--config", "recipes/qwen2.5-vl-7b", "--ranks", "8",
                        env=env | {"CUDA_VISIBLE_DEVICES": "0,1"})
     assert done.returncode == 2 and "does not fit a GPU of 40 GiB with 8 rank(s)" in done.stderr

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from vagen.distributed import init_distributed
 
     dist = init_distributed(timeout_minutes=cfg.train.dist_timeout_minutes)
-    if refused(lambda: check_ranks(cfg, dist.world_size)):
+    if refused(lambda: check_ranks(cfg, dist.world_size)) or refused(lambda: check_gpu_memory(cfg, dist)):
         return 2
     import torch
 
@@ -153,6 +153,18 @@ def check_before_loading(cfg) -> None:
         from vagen.models import check_lora_targets
 
         check_lora_targets(cfg.model)
+
+
+def check_gpu_memory(cfg, dist) -> None:
+    """On a GPU, the per-GPU memory estimate (`vagen.memory`) against this rank's GPU, refused before any model
+    loads with the estimator's message (what does not fit, and what to change); nothing on the CPU."""
+    if dist.device.type != "cuda":
+        return
+    import torch
+
+    from vagen.memory import check_memory
+
+    check_memory(cfg, dist.world_size, torch.cuda.mem_get_info(dist.device)[1] / 2**30)
 
 
 WATCHED = {"grad_norm": "actor/grad_norm", "entropy_mean": "actor/entropy_mean",
