@@ -108,8 +108,15 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--model", default="builtin:tiny-vl")
-    parser.add_argument("--env", default="frozenlake", choices=["frozenlake", "sokoban"],
-                        help="frames to read: FrozenLake 4x4 (player moved to a random cell) or Sokoban 6x6 starts")
+    parser.add_argument("--env", default="frozenlake", choices=["frozenlake", "sokoban", "navigation"],
+                        help="frames to read: FrozenLake 4x4 (player moved to a random cell), Sokoban 6x6 starts, "
+                             "or navigation poses (vagen.warmstart.navigation_questions)")
+    parser.add_argument("--size", type=int, default=112,
+                        help="navigation: the frame's width and height in pixels (112: 4x4 image tokens, 168: 6x6)")
+    parser.add_argument("--question", default="side", choices=["side", "steps"],
+                        help="navigation: where the target is (not in view, left, ahead, right) or the free steps "
+                             "ahead (0-3)")
+    parser.add_argument("--train", type=int, default=2000, help="training questions (distinct levels)")
     parser.add_argument("--vision-init", type=float, default=0.0,
                         help="re-initialise the vision tower's weight matrices with this std (0: keep)")
     parser.add_argument("--no-center", action="store_true",
@@ -143,17 +150,24 @@ def main() -> int:
     if args.no_center:
         model.model.visual._vagen_center = False
     rng = np.random.default_rng(0)
-    if args.moves:  # the perception stage's frames: distinct levels after 0..moves of the teacher's moves
-        cfg_env = load_config(f"{args.env}_visual").env
-        probes = perception_probes(cfg_env, 2200, args.moves, objects=("player",), axes=("row",))
+    if args.env == "navigation":
+        from vagen.warmstart.navigation_questions import navigation_probes
+
+        env = envs_visual.make("navigation", image_width=args.size, image_height=args.size)
+        probes = navigation_probes(env, args.train + 200, questions=(args.question,))
         samples = [question_sample(encoder, model, p.frame, p.question, p.answer, p.seed) for p in probes]
-        train, held_out, rows = samples[:2000], samples[2000:], [p.answer for p in probes[2000:]]
+        train, held_out, rows = samples[:args.train], samples[args.train:], [p.answer for p in probes[args.train:]]
+    elif args.moves:  # the perception stage's frames: distinct levels after 0..moves of the teacher's moves
+        cfg_env = load_config(f"{args.env}_visual").env
+        probes = perception_probes(cfg_env, args.train + 200, args.moves, objects=("player",), axes=("row",))
+        samples = [question_sample(encoder, model, p.frame, p.question, p.answer, p.seed) for p in probes]
+        train, held_out, rows = samples[:args.train], samples[args.train:], [p.answer for p in probes[args.train:]]
     else:
         d = args.moves_question
-        train = [probe_sample(args.env, seed, rng, encoder, model, d)[0] for seed in range(2000)]
+        train = [probe_sample(args.env, seed, rng, encoder, model, d)[0] for seed in range(args.train)]
         held_out, rows = zip(*(probe_sample(args.env, 10**9 + seed, rng, encoder, model, d) for seed in range(200)))
         held_out, rows = list(held_out), list(rows)
-    print(f"held-out levels: {len(held_out)}; always answering the most common digit scores "
+    print(f"data: {time.process_time():.0f} CPU-s; held-out levels: {len(held_out)}; always answering the most common digit scores "
           f"{max(rows.count(r) for r in set(rows)) / len(rows):.3f}", flush=True)
     engine = sft_engine(model, cfg, dist)
     generator = torch.Generator().manual_seed(0)

@@ -114,6 +114,22 @@ def question_sample(encoder: ChatEncoder, model, frame: Image.Image, text: str, 
     return episode_to_sample(episode, encoder, model)
 
 
+# Envs whose perception stage asks its own questions: the module whose `stage_probes(cfg, n, exclude)`
+# writes them (a new env's questions are a new module named here); the others ask `perception_probes`'s.
+QUESTION_MODULES = {"navigation": "vagen.warmstart.navigation_questions"}
+
+
+def stage_probes(cfg, n: int, exclude: set[str] = frozenset()) -> list[Probe]:
+    """The perception stage's `n` questions for `cfg`'s env on distinct levels outside `exclude`: its own
+    module's (`QUESTION_MODULES`), else `perception_probes` about `sft.perception_objects` along
+    `sft.perception_axes` after up to a whole episode's moves."""
+    if cfg.env.name in QUESTION_MODULES:
+        return importlib.import_module(QUESTION_MODULES[cfg.env.name]).stage_probes(cfg, n, exclude)
+    moves = cfg.rollout.max_turns * cfg.env.max_actions_per_turn - 1  # any frame an episode can show
+    return perception_probes(cfg.env, n, moves, exclude, objects=tuple(cfg.sft.perception_objects),
+                             axes=tuple(cfg.sft.perception_axes))
+
+
 # -- questions about the cells a turn's later moves enter ---------------------------------------------
 
 # what a cell can hold, by env: the answer digit is the index; the last is always "off the map"

@@ -40,7 +40,7 @@ def demo_sets(cfg, policy: str):
 
     exclude = eval_level_keys(cfg.env, cfg.sft.exclude_eval)
     demos = collect_demos(cfg.env, policy, cfg.sft.demos + cfg.sft.val_demos, cfg.rollout.max_turns, exclude,
-                          draw_style=cfg.sft.teacher_styles, kind=cfg.sft.reasoning)
+                          draw_style=cfg.sft.teacher_styles, kind=cfg.sft.reasoning, slip=cfg.sft.teacher_slip)
     return demos[: cfg.sft.demos], demos[cfg.sft.demos:]
 
 
@@ -282,14 +282,12 @@ def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
     learning rate, `sft.lr`) on `vagen.warmstart.perception` questions about `sft.perception_levels` levels,
     until held-out accuracy reaches PERCEPTION_TARGET. Trains `model` in place; returns stats."""
     from vagen.warmstart.demos import eval_level_keys
-    from vagen.warmstart.perception import perception_probes, question_sample
+    from vagen.warmstart.perception import question_sample, stage_probes
 
     t0 = time.perf_counter()
     sft = cfg.sft
     exclude = eval_level_keys(cfg.env, sft.exclude_eval)
-    moves = cfg.rollout.max_turns * cfg.env.max_actions_per_turn - 1  # any frame an episode can show
-    probes = perception_probes(cfg.env, sft.perception_levels + PERCEPTION_VAL_LEVELS, moves, exclude,
-                               objects=tuple(sft.perception_objects), axes=tuple(sft.perception_axes))
+    probes = stage_probes(cfg, sft.perception_levels + PERCEPTION_VAL_LEVELS, exclude)
     samples = [question_sample(encoder, model, p.frame, p.question, p.answer, p.seed) for p in probes]
     train, val = samples[: sft.perception_levels], samples[sft.perception_levels:]
     answers = [p.answer for p in probes[sft.perception_levels:]]
@@ -435,7 +433,8 @@ def relabelled_samples(episodes, cfg, encoder, model, policy: str = "teacher") -
             if terminated or truncated:  # the env ended where the rollout did not: nothing to relabel
                 break
             turn = episode.turns[t]
-            target = demo_response(env, policy, np.random.default_rng([episode.seed, 13, t]), kind=cfg.sft.reasoning)
+            target = demo_response(env, policy, np.random.default_rng([episode.seed, 13, t]), kind=cfg.sft.reasoning,
+                                   slip=cfg.sft.teacher_slip)
             generated, text = encoder.finish_response(encoder.encode_text(target))
             start, images = turn.span[0], sum(len(earlier.images) for earlier in episode.turns[: t + 1])
             relabelled = Episode(episode.env_name, episode.seed, len(samples), episode.system_prompt,
@@ -492,8 +491,10 @@ def on_policy_stage(model, encoder, cfg, dist, train_samples, policy: str = "tea
 
 def demonstration_code(env_name: str, perception: bool = False) -> str:
     """Hash of the code that writes the demonstrations: `vagen.warmstart.demos` and the env's module
-    (its teacher, solver, dynamics, frames and prompts), and with `perception`
-    `vagen.warmstart.perception`; recorded with each build, so a card says which demonstrations it learned."""
+    (its teacher, solver, dynamics, frames and prompts) with its own teacher and question modules where it
+    has them, and with `perception` `vagen.warmstart.perception`; recorded with each build, so a card says which demonstrations it learned."""
+    import importlib
+    import importlib.util
     import inspect
 
     import envs_visual
@@ -502,6 +503,10 @@ def demonstration_code(env_name: str, perception: bool = False) -> str:
 
     env_module = inspect.getmodule(envs_visual.env_class(env_name))
     modules = (demos, env_module) + ((questions,) if perception else ())
+    # the env's teacher and question modules, where it has its own (envs_visual/NAME_teacher.py, QUESTION_MODULES)
+    for name in (f"{env_module.__name__}_teacher", questions.QUESTION_MODULES.get(env_name)):
+        if name and importlib.util.find_spec(name) is not None:
+            modules += (importlib.import_module(name),)
     text = "".join(inspect.getsource(module) for module in modules)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
