@@ -146,6 +146,11 @@ def with_other_frames(samples: list) -> list:
 MIN_FRAME_GAIN = 0.05
 
 
+# Reasoning whose words depend on the frame (each move's cell, what is in view): the frame check scores the
+# whole response, since under teacher forcing the answer follows from it.
+WHOLE_RESPONSE_REASONING = ("path", "view")
+
+
 def frame_dependence(model, val_samples, accuracy: float, pad_id: int, device, micro_batch_size: int,
                      log=print, whole_response: bool = False) -> dict[str, float]:
     """Held-out answer accuracy with each demonstration's frames replaced by another level's, and a
@@ -589,7 +594,7 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
                                      cfg.sft.micro_batch_size))
     if val_samples and val_samples[0].pixel_values is not None:
         stats.update(frame_dependence(engine.module, val_samples, stats["sft/val_answer_accuracy"], encoder.pad_id,
-                                      dist.device, cfg.sft.micro_batch_size, log, cfg.sft.reasoning == "path"))
+                                      dist.device, cfg.sft.micro_batch_size, log, cfg.sft.reasoning in WHOLE_RESPONSE_REASONING))
     stats.update({"sft/data_seconds": data_s, "sft/build_seconds": time.perf_counter() - t0,
                   "sft/demo_success": sum(d.success for d in train_demos) / len(train_demos)})
     settings = {s: cfg.to_dict()[s] for s in ("model", "env", "rollout", "sft")}
