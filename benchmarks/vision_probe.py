@@ -108,9 +108,11 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--model", default="builtin:tiny-vl")
-    parser.add_argument("--env", default="frozenlake", choices=["frozenlake", "sokoban", "navigation"],
+    parser.add_argument("--env", default="frozenlake", choices=["frozenlake", "sokoban", "navigation", "manipulation"],
                         help="frames to read: FrozenLake 4x4 (player moved to a random cell), Sokoban 6x6 starts, "
-                             "or navigation poses (vagen.warmstart.navigation_questions)")
+                             "navigation poses (vagen.warmstart.navigation_questions), or manipulation starts with "
+                             "their listing of centres, asked for the pick action of one object "
+                             "(vagen.warmstart.manipulation_questions: a copy, answered in whole)")
     parser.add_argument("--size", type=int, default=112,
                         help="navigation: the frame's width and height in pixels (112: 4x4 image tokens, 168: 6x6)")
     parser.add_argument("--question", default="side", choices=["side", "steps"],
@@ -156,6 +158,14 @@ def main() -> int:
         env = envs_visual.make("navigation", image_width=args.size, image_height=args.size)
         probes = navigation_probes(env, args.train + 200, questions=(args.question,))
         samples = [question_sample(encoder, model, p.frame, p.question, p.answer, p.seed) for p in probes]
+        train, held_out, rows = samples[:args.train], samples[args.train:], [p.answer for p in probes[args.train:]]
+    elif args.env == "manipulation":
+        from vagen.warmstart.manipulation_questions import copy_probes
+
+        env = envs_visual.make("manipulation", task="place", image_width=args.size, image_height=args.size)
+        probes = copy_probes(env, args.train + 200)
+        samples = [question_sample(encoder, model, p.frame, p.question, p.answer, p.seed, "Answer with one action.")
+                   for p in probes]
         train, held_out, rows = samples[:args.train], samples[args.train:], [p.answer for p in probes[args.train:]]
     elif args.moves:  # the perception stage's frames: distinct levels after 0..moves of the teacher's moves
         cfg_env = load_config(f"{args.env}_visual").env

@@ -294,9 +294,10 @@ class SFTConfig:
                                 "'row 2, column 3: to row 4, column 2, go down.') | view (navigation: what the turn's "
                                 "frame shows, in words it can show: 'The red table is on my left. 2 steps free ahead. "
                                 "So I take rotateleft.', vagen.warmstart.navigation_questions)")
-    teacher_slip: float | None = _f(None, "share of the teacher's actions drawn at random in the demonstrations and the "
-                                          "on-policy stage's labels (navigation); null = the teacher's own "
-                                          "(navigation: 0.15)")
+    teacher_slip: float | None = _f(None, "share of the teacher's actions that slip, in the demonstrations and the "
+                                          "on-policy stage's labels: navigation's random moves (its own: 0.15), "
+                                          "manipulation's jittered millimetres (its own: 1; 0 = every action copies "
+                                          "the listed centres); null = the teacher's own")
     perception_steps: int = _f(0, "steps at most of a first stage on questions about the env's frames ('Which row "
                                   "is the box in?', vagen.warmstart.perception; navigation: 'Where is the red table?' "
                                   "and the free steps ahead, vagen.warmstart.navigation_questions) before the "

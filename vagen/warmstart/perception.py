@@ -44,7 +44,7 @@ class Probe:
     seed: int
     frame: Image.Image
     question: str
-    answer: int
+    answer: int | str  # a digit; manipulation's copy questions answer with an action
 
 
 def single_cell_objects(state: dict, keys=tuple(OBJECTS)) -> dict[str, tuple[int, int]]:
@@ -100,12 +100,13 @@ def perception_probes(cfg_env, n: int, max_moves: int, exclude: set[str] = froze
     return probes
 
 
-def question_sample(encoder: ChatEncoder, model, frame: Image.Image, text: str, answer: int, seed: int = 0):
+def question_sample(encoder: ChatEncoder, model, frame: Image.Image, text: str, answer: int | str, seed: int = 0,
+                    system_prompt: str = SYSTEM_PROMPT):
     """A one-turn training sample (`vagen.trajectory.Sample`): `text` with `frame`, answered
     `<answer>ANSWER</answer>`, tokenised as `rollout` would."""
     from vagen.trajectory import episode_to_sample
 
-    episode = Episode("probe", seed, 0, SYSTEM_PROMPT)
+    episode = Episode("probe", seed, 0, system_prompt)
     ids, pixel_values, grids = encoder.user_segment(text, [frame], True, episode.system_prompt)
     generated, response = encoder.finish_response(encoder.encode_text(f"<answer>{answer}</answer>"))
     episode.input_ids = ids + generated
