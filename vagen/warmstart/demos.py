@@ -389,10 +389,11 @@ def collect_demos(cfg_env, policy: str, n: int, max_turns: int, exclude: set[str
 
 
 def scripted_success(cfg_env, policy: str, seeds: list[int], max_turns: int,
-                     draw_style: bool = False) -> dict[str, float]:
-    """Success rate and mean return of a scripted policy on `seeds` (one episode each)."""
+                     draw_style: bool = False, slip: float | None = None) -> dict[str, float]:
+    """Success rate and mean return of a scripted policy on `seeds` (one episode each); the teacher with
+    its share `slip` of slips (None: its own)."""
     env = make_env(cfg_env, {"render_mode": "text"})
-    return _rates([play_demo(env, seed, policy, max_turns, draw_style=draw_style) for seed in seeds])
+    return _rates([play_demo(env, seed, policy, max_turns, draw_style=draw_style, slip=slip) for seed in seeds])
 
 
 def _rates(demos: list[Demo]) -> dict[str, float]:
@@ -418,10 +419,12 @@ def best_style_success(cfg_env, seeds: list[int], max_turns: int) -> dict[str, f
 
 def scripted_baselines(cfg, seeds: list[int]) -> dict[str, dict]:
     """The rows printed next to a learned policy on the same levels: random valid moves, the teacher
-    (drawing its style per episode when `sft.teacher_styles`), the solver, the best blind plan and,
-    for a teacher with styles, its best style per level."""
+    (drawing its style per episode when `sft.teacher_styles`, slipping as `sft.teacher_slip` says: the
+    demonstrations' teacher), the solver, the best blind plan and, for a teacher with styles, its best
+    style per level."""
     turns = cfg.rollout.max_turns
-    rows = {p: scripted_success(cfg.env, p, seeds, turns, cfg.sft.teacher_styles) for p in ("random", "teacher", "solver")}
+    rows = {p: scripted_success(cfg.env, p, seeds, turns, cfg.sft.teacher_styles, cfg.sft.teacher_slip)
+            for p in ("random", "teacher", "solver")}
     rows["blind"] = blind_success(cfg.env, seeds, turns)
     best_style = best_style_success(cfg.env, seeds, turns)
     if best_style:  # the teacher's styles differ by level: the ceiling of choosing the style
