@@ -33,7 +33,8 @@ on frames of `--size` pixels at the poses a slip-free teacher passes
 32, one thread beside about 15 other processes): held-out accuracy 0.675 / 0.665 / 0.685 / 0.690 at steps
 100 to 400 against 0.595 for always "not in view" (300 s). `--env manipulation` asks for the action
 that picks up a named object after the observation's listing of centres, answered in whole
-(`pick (94, 124, 20)`, `vagen.warmstart.manipulation_questions`).
+(`pick (94, 124, 20)`, `vagen.warmstart.manipulation_questions`): with 1,000 questions, whole answers
+right on 0.000 / 0.000 / 0.000 / 0.015 of 200 held-out levels at steps 100 to 400 (loss 0.81 to 0.54).
 """
 
 from __future__ import annotations
