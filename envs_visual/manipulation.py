@@ -452,25 +452,6 @@ def plan(state: dict) -> list[str]:
     return _align_plan(state)
 
 
-def teacher_action(state: dict, rng: np.random.Generator) -> str:
-    """A deliberately imperfect teacher: the expert's next action with its millimetres jittered
-    (sd 8 mm, and one time in four a coordinate off by 40 mm), so some of its grasps, placements and
-    pushes miss and it has to recover on later turns. It writes whole millimetres, as the observation
-    lists the centres: tenths would be noise for a student to imitate."""
-    wanted = plan(state)
-    if not wanted:
-        return format_action("pick", 0, 0, CUBE / 2)
-    name, values = _split(wanted[0])
-    noisy = [v + float(rng.normal(0.0, 8.0)) for v in values]
-    if rng.random() < 1 / 4:
-        k = int(rng.integers(len(noisy)))
-        if k % 3 != 2:  # a coordinate across the table, not a height
-            noisy[k] += float(rng.choice([-40.0, 40.0]))
-    for k in range(2, len(noisy), 3):
-        noisy[k] = values[k]  # heights: the teacher reads those right
-    return format_action(name, *(round(v) for v in noisy))
-
-
 # -- environment ---------------------------------------------------------------------------------
 class ManipulationEnv(TextActionEnv):
     """Tabletop manipulation with primitive skills on MuJoCo. See the module docstring."""
@@ -770,3 +751,7 @@ class ManipulationEnv(TextActionEnv):
             self.close()
         except Exception:  # noqa: BLE001 (interpreter shutdown: nothing left to free)
             pass
+
+
+# the teacher lives in its own module; imported last, as it builds on this one's expert
+from envs_visual.manipulation_teacher import copy_action, teacher_action  # noqa: E402, F401

@@ -339,41 +339,12 @@ def generate_level(seed: int, num_objects: int = 6, max_rooms: int = 2, step_len
     )
 
 
-# -- teacher -------------------------------------------------------------------------------------
-TEACHER_SLIP = 0.15  # share of the teacher's actions drawn at random (a move or a turn)
-
-
 def level_from_state(state: dict[str, Any]) -> Level:
     """The `Level` of a `NavigationEnv.state()` (the inverse of its level fields)."""
     objects = tuple(NavObject(o["kind"], o["colour"], o["x"], o["y"], o["yaw"], tuple(o["footprint"]))
                     for o in state["objects"])
     return Level(state["seed"], state["room"]["width"], state["room"]["depth"], tuple(map(tuple, state["walls"])),
                  tuple(map(tuple, state["doors"])), objects, state["target"], tuple(state["start"]))
-
-
-def teacher_action(state: dict[str, Any], rng: np.random.Generator | None = None, step_length: float = 0.5,
-                   success_distance: float = 1.0) -> str:
-    """A deliberately imperfect teacher (for demonstrations): the step toward the target that `solve`
-    counts fewest axis moves from, but only ever `moveahead`, turning first to face that cell (where
-    the shortest plan would step sideways or back), and one time in `TEACHER_SLIP` (with `rng`) a
-    random move or turn. `step_length` and `success_distance` are the env's (defaults here)."""
-    moves = [*MOVES, *ROTATIONS]
-    if rng is not None and rng.random() < TEACHER_SLIP:
-        return moves[int(rng.integers(len(moves)))]
-    level, agent = level_from_state(state), state["agent"]
-    lattice = build_lattice(level, (agent["x"], agent["y"]), step_length)
-    dist = grid_distances(lattice, _goal_cells(level, lattice, success_distance))
-    cell = lattice.index(agent["x"], agent["y"])
-    if cell is None or dist[cell] <= 0:
-        return "rotateleft"
-    i, j = cell
-    closer = {(di, dj) for (di, dj), ok in lattice.moves.items()
-              if ok[i, j] and dist[i + di, j + dj] == dist[i, j] - 1}
-    for action, turn in (("moveahead", 0.0), ("rotateleft", 90.0), ("rotateright", -90.0), ("rotateleft", 180.0)):
-        angle = math.radians(agent["yaw"] + turn)
-        if (round(math.cos(angle)), round(math.sin(angle))) in closer:
-            return action
-    return "rotateleft"  # facing off the axes: turn until a step ahead leads closer
 
 
 # -- environment ---------------------------------------------------------------------------------
@@ -829,3 +800,7 @@ def _segment_hits_rects(x0: float, y0: float, x1: float, y1: float, rects: np.nd
         t0, t1 = (rmin - origin) / d[axis], (rmax - origin) / d[axis]
         lo, hi = np.maximum(lo, np.minimum(t0, t1)), np.minimum(hi, np.maximum(t0, t1))
     return bool(np.any(lo <= hi))
+
+
+# the teacher lives in its own module; imported last, as it builds on this one's level geometry
+from envs_visual.navigation_teacher import TEACHER_SLIP, teacher_action  # noqa: E402, F401

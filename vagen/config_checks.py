@@ -162,6 +162,9 @@ def validate(cfg) -> None:
     if cfg.sft.perception_steps and cfg.env.render_mode != "vision":
         raise ConfigError(f"sft.perception_steps={cfg.sft.perception_steps} asks questions about frames, but "
                           f"env.render_mode={cfg.env.render_mode}; set sft.perception_steps=0 or env.render_mode=vision")
+    if cfg.sft.teacher_slip is not None and not 0.0 <= cfg.sft.teacher_slip <= 1.0:
+        raise ConfigError(f"sft.teacher_slip={cfg.sft.teacher_slip} is a share of actions: give a value in [0, 1], "
+                          f"or null for the teacher's own")
     if cfg.sft.on_policy_levels < 0 or cfg.sft.on_policy_steps < 1:
         raise ConfigError(f"sft.on_policy_levels={cfg.sft.on_policy_levels} must be >= 0 and sft.on_policy_steps="
                           f"{cfg.sft.on_policy_steps} >= 1")

@@ -16,7 +16,7 @@ CHOICES = {
     ("model", "attn_implementation"): ("sdpa", "eager", "flash_attention_2"),
     ("env", "render_mode"): ("vision", "text"),
     ("sft", "lr_schedule"): ("constant", "cosine"),
-    ("sft", "reasoning"): ("near", "path", "plan"),
+    ("sft", "reasoning"): ("near", "path", "plan", "view"),
     ("env", "prompt_format"): ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling"),
     ("rollout", "backend"): ("hf", "vllm"),
     ("rollout", "context"): ("full", "window"),
@@ -323,9 +323,17 @@ class SFTConfig:
                                 "the player, the first move) | path (a clause per move of the answer, from the cell it "
                                 "starts on: 'row 0, column 1: hole below, so right.', 'row 4, column 2: push up.') | plan "
                                 "(Sokoban: path, naming the cell the teacher walks to in order to push from it: "
-                                "'row 2, column 3: to row 4, column 2, go down.')")
+                                "'row 2, column 3: to row 4, column 2, go down.') | view (navigation: what the turn's "
+                                "frame shows, in words it can show: 'The red table is on my left. 2 steps free ahead. "
+                                "So I take rotateleft.', vagen.warmstart.navigation_questions)")
+    teacher_slip: float | None = _f(None, "share of the teacher's actions that slip, in the demonstrations and the "
+                                          "on-policy stage's labels: navigation's random moves (its own: 0.15), "
+                                          "manipulation's jittered millimetres (its own: 1; 0 = every action copies "
+                                          "the listed centres); null = the teacher's own")
     perception_steps: int = _f(0, "steps at most of a first stage on questions about the env's frames ('Which row "
-                                  "is the box in?', vagen.warmstart.perception) before the demonstrations; 0 = none")
+                                  "is the box in?', vagen.warmstart.perception; navigation: 'Where is the red table?' "
+                                  "and the free steps ahead, vagen.warmstart.navigation_questions) before the "
+                                  "demonstrations; 0 = none")
     perception_levels: int = _f(2000, "levels (one question each) for the perception stage")
     perception_objects: list = _f(["player"], "what the perception questions ask about (state() keys of one-cell "
                                               "objects: player, boxes, targets)")

@@ -233,7 +233,18 @@ REASONING = {"frozenlake": frozenlake_reasoning, "sokoban": sokoban_reasoning, "
              "manipulation": manipulation_reasoning}
 PATH_REASONING = {"frozenlake": frozenlake_path, "sokoban": sokoban_path}
 PLAN_REASONING = {"sokoban": functools.partial(sokoban_path, aims=True)}
-REASONING_KINDS = ("near", "path", "plan")
+REASONING_KINDS = ("near", "path", "plan", "view")
+
+
+def view_reasoning(env, actions: list[str], rng: np.random.Generator) -> dict[str, str]:
+    """`view` reasoning: what the env's frame shows from its current pose, in the words of the env's
+    question module (navigation: `vagen.warmstart.navigation_questions.view_words`), then the first move."""
+    if env.name != "navigation":
+        raise ValueError(f"no view reasoning for env {env.name!r}: it is written for navigation; use another "
+                         f"sft.reasoning, or add a view_words function for it")
+    from vagen.warmstart.navigation_questions import view_words
+
+    return {"reasoning": f"{view_words(env)} {_decision(actions, 'take', rng)}"}
 
 
 def reasoning(env_name: str, states: list[dict], actions: list[str], rng: np.random.Generator,
@@ -245,6 +256,8 @@ def reasoning(env_name: str, states: list[dict], actions: list[str], rng: np.ran
     for; Sokoban)."""
     if kind not in REASONING_KINDS:
         raise ValueError(f"unknown demonstration reasoning {kind!r}; choices: {', '.join(REASONING_KINDS)}")
+    if kind == "view":
+        raise ValueError("view reasoning is read from the env's pose, not from states: use demo_response")
     table = {"near": REASONING, "path": PATH_REASONING, "plan": PLAN_REASONING}[kind]
     if env_name not in table:
         raise ValueError(f"no {kind} reasoning for env {env_name!r}: it is written for {', '.join(table)}; use "
@@ -279,10 +292,10 @@ def teacher_styles(env) -> tuple:
     return getattr(importlib.import_module(type(env).__module__), "TEACHER_STYLES", (None,))
 
 
-def _plan(env, policy: str, rng: np.random.Generator,
-          style: str | None = None) -> tuple[list[str], list[dict], dict, bool, str]:
-    """Up to `max_actions_per_turn` actions from the env's current state, simulated on a shadow copy;
-    returns (actions, the state before each of them, state after them, success after them, the
+def _plan(env, policy: str, rng: np.random.Generator, style: str | None = None,
+          slip: float | None = None) -> tuple[list[str], list[dict], dict, bool, str]:
+    """Up to `max_actions_per_turn` actions from the env's current state, simulated on a shadow copy
+    (the teacher with its share `slip` of random actions, None: its own); returns (actions, the state before each of them, state after them, success after them, the
     state after them in the env's words: `describe_state`, "" for an env without state relations)."""
     sim = _shadow(env)
     if policy == "solver":
@@ -297,6 +310,8 @@ def _plan(env, policy: str, rng: np.random.Generator,
     else:
         teach = importlib.import_module(type(env).__module__).teacher_action
         teacher = teach if style is None else functools.partial(teach, style=style)
+        if slip is not None:
+            teacher = functools.partial(teacher, slip=slip)
     actions, states, success = [], [], False
     for i in range(env.max_actions_per_turn):
         if policy != "teacher":
@@ -314,12 +329,17 @@ def _plan(env, policy: str, rng: np.random.Generator,
     return actions, states, sim.state(), success, sim.describe_state() if sim.state_weights else ""
 
 
-def demo_response(env, policy: str, rng: np.random.Generator, style: str | None = None, kind: str = "near") -> str:
+def demo_response(env, policy: str, rng: np.random.Generator, style: str | None = None, kind: str = "near",
+                  slip: float | None = None) -> str:
     """`policy`'s response to the env's current state, in `env.prompt_format` (the env is left as it
-    is). Envs with state relations observe and predict with `describe_state` (the state before and
-    after the turn's actions), as the state grader wants."""
-    actions, states, after, success, predicted = _plan(env, policy, rng, style)
-    fields = reasoning(env.name, states, actions, rng, style, kind)
+    is), the teacher with its share `slip` of random actions (None: its own). Envs with state relations
+    observe and predict with `describe_state` (the state before and after the turn's actions), as the
+    state grader wants."""
+    actions, states, after, success, predicted = _plan(env, policy, rng, style, slip)
+    if kind == "view":
+        fields = view_reasoning(env, actions, rng)
+    else:
+        fields = reasoning(env.name, states, actions, rng, style, kind)
     if env.state_weights:  # graded fields: the true state before and after the turn, in the env's words
         fields["observation"], fields["prediction"] = env.describe_state(), predicted
     else:
@@ -328,11 +348,12 @@ def demo_response(env, policy: str, rng: np.random.Generator, style: str | None 
 
 
 def play_demo(env, seed: int, policy: str, max_turns: int, style: str | None = None,
-              draw_style: bool = False, kind: str = "near") -> Demo:
+              draw_style: bool = False, kind: str = "near", slip: float | None = None) -> Demo:
     """Play one episode of `policy` (teacher | solver | random) on `env` from `seed`. A teacher with
     styles (`teacher_styles`) plays the given `style`, or with `draw_style` one drawn from the seed
     for the whole episode, and then says which in its reasoning; else its default style, unsaid.
-    `kind`: what the reasoning says (`reasoning`); each turn's response is `demo_response`'s."""
+    `kind`: what the reasoning says (`reasoning`); each turn's response is `demo_response`'s (with the
+    teacher's share `slip` of random actions, None: its own)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown demonstration policy {policy!r}; choices: {', '.join(POLICIES)}")
     env.reset(seed=seed)
@@ -344,7 +365,7 @@ def play_demo(env, seed: int, policy: str, max_turns: int, style: str | None = N
         styles = teacher_styles(env)
         style = styles[int(np.random.default_rng([seed, 11]).integers(len(styles)))]
     for _ in range(max_turns):
-        response = demo_response(env, policy, rng, style, kind)
+        response = demo_response(env, policy, rng, style, kind, slip)
         _, reward, terminated, truncated, info = env.step(response)
         assert info["format_ok"], f"demonstration response does not parse: {response!r}"
         demo.responses.append(response)
@@ -357,21 +378,22 @@ def play_demo(env, seed: int, policy: str, max_turns: int, style: str | None = N
 
 def collect_demos(cfg_env, policy: str, n: int, max_turns: int, exclude: set[str] = frozenset(),
                   start_seed: int = 0, max_draws: int | None = None, draw_style: bool = False,
-                  kind: str = "near") -> list[Demo]:
+                  kind: str = "near", slip: float | None = None) -> list[Demo]:
     """`n` demonstrations on distinct levels from training seeds `start_seed, start_seed + 1, …`,
     skipping levels in `exclude` (e.g. `eval_level_keys`). Played in text render mode (same levels,
     same dynamics, no frames drawn)."""
     env = make_env(cfg_env, {"render_mode": "text"})
-    return [play_demo(env, seed, policy, max_turns, draw_style=draw_style, kind=kind)
+    return [play_demo(env, seed, policy, max_turns, draw_style=draw_style, kind=kind, slip=slip)
             for seed in distinct_levels(env, n, itertools.count(start_seed), exclude, max_draws,
                                         "ask for fewer demonstrations or use larger levels")]
 
 
 def scripted_success(cfg_env, policy: str, seeds: list[int], max_turns: int,
-                     draw_style: bool = False) -> dict[str, float]:
-    """Success rate and mean return of a scripted policy on `seeds` (one episode each)."""
+                     draw_style: bool = False, slip: float | None = None) -> dict[str, float]:
+    """Success rate and mean return of a scripted policy on `seeds` (one episode each); the teacher with
+    its share `slip` of slips (None: its own)."""
     env = make_env(cfg_env, {"render_mode": "text"})
-    return _rates([play_demo(env, seed, policy, max_turns, draw_style=draw_style) for seed in seeds])
+    return _rates([play_demo(env, seed, policy, max_turns, draw_style=draw_style, slip=slip) for seed in seeds])
 
 
 def _rates(demos: list[Demo]) -> dict[str, float]:
@@ -397,10 +419,12 @@ def best_style_success(cfg_env, seeds: list[int], max_turns: int) -> dict[str, f
 
 def scripted_baselines(cfg, seeds: list[int]) -> dict[str, dict]:
     """The rows printed next to a learned policy on the same levels: random valid moves, the teacher
-    (drawing its style per episode when `sft.teacher_styles`), the solver, the best blind plan and,
-    for a teacher with styles, its best style per level."""
+    (drawing its style per episode when `sft.teacher_styles`, slipping as `sft.teacher_slip` says: the
+    demonstrations' teacher), the solver, the best blind plan and, for a teacher with styles, its best
+    style per level."""
     turns = cfg.rollout.max_turns
-    rows = {p: scripted_success(cfg.env, p, seeds, turns, cfg.sft.teacher_styles) for p in ("random", "teacher", "solver")}
+    rows = {p: scripted_success(cfg.env, p, seeds, turns, cfg.sft.teacher_styles, cfg.sft.teacher_slip)
+            for p in ("random", "teacher", "solver")}
     rows["blind"] = blind_success(cfg.env, seeds, turns)
     best_style = best_style_success(cfg.env, seeds, turns)
     if best_style:  # the teacher's styles differ by level: the ceiling of choosing the style

@@ -44,7 +44,7 @@ class Probe:
     seed: int
     frame: Image.Image
     question: str
-    answer: int
+    answer: int | str  # a digit; manipulation's copy questions answer with an action
 
 
 def single_cell_objects(state: dict, keys=tuple(OBJECTS)) -> dict[str, tuple[int, int]]:
@@ -100,18 +100,35 @@ def perception_probes(cfg_env, n: int, max_moves: int, exclude: set[str] = froze
     return probes
 
 
-def question_sample(encoder: ChatEncoder, model, frame: Image.Image, text: str, answer: int, seed: int = 0):
+def question_sample(encoder: ChatEncoder, model, frame: Image.Image, text: str, answer: int | str, seed: int = 0,
+                    system_prompt: str = SYSTEM_PROMPT):
     """A one-turn training sample (`vagen.trajectory.Sample`): `text` with `frame`, answered
     `<answer>ANSWER</answer>`, tokenised as `rollout` would."""
     from vagen.trajectory import episode_to_sample
 
-    episode = Episode("probe", seed, 0, SYSTEM_PROMPT)
+    episode = Episode("probe", seed, 0, system_prompt)
     ids, pixel_values, grids = encoder.user_segment(text, [frame], True, episode.system_prompt)
     generated, response = encoder.finish_response(encoder.encode_text(f"<answer>{answer}</answer>"))
     episode.input_ids = ids + generated
     episode.pixel_values, episode.image_grid_thw = pixel_values, grids
     episode.turns.append(Turn(text, [frame], response, 0.0, {}, (len(ids), len(episode.input_ids)), len(generated)))
     return episode_to_sample(episode, encoder, model)
+
+
+# Envs whose perception stage asks its own questions: the module whose `stage_probes(cfg, n, exclude)`
+# writes them (a new env's questions are a new module named here); the others ask `perception_probes`'s.
+QUESTION_MODULES = {"navigation": "vagen.warmstart.navigation_questions"}
+
+
+def stage_probes(cfg, n: int, exclude: set[str] = frozenset()) -> list[Probe]:
+    """The perception stage's `n` questions for `cfg`'s env on distinct levels outside `exclude`: its own
+    module's (`QUESTION_MODULES`), else `perception_probes` about `sft.perception_objects` along
+    `sft.perception_axes` after up to a whole episode's moves."""
+    if cfg.env.name in QUESTION_MODULES:
+        return importlib.import_module(QUESTION_MODULES[cfg.env.name]).stage_probes(cfg, n, exclude)
+    moves = cfg.rollout.max_turns * cfg.env.max_actions_per_turn - 1  # any frame an episode can show
+    return perception_probes(cfg.env, n, moves, exclude, objects=tuple(cfg.sft.perception_objects),
+                             axes=tuple(cfg.sft.perception_axes))
 
 
 # -- questions about the cells a turn's later moves enter ---------------------------------------------

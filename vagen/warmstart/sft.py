@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import os
 import subprocess
@@ -40,7 +39,7 @@ def demo_sets(cfg, policy: str):
 
     exclude = eval_level_keys(cfg.env, cfg.sft.exclude_eval)
     demos = collect_demos(cfg.env, policy, cfg.sft.demos + cfg.sft.val_demos, cfg.rollout.max_turns, exclude,
-                          draw_style=cfg.sft.teacher_styles, kind=cfg.sft.reasoning)
+                          draw_style=cfg.sft.teacher_styles, kind=cfg.sft.reasoning, slip=cfg.sft.teacher_slip)
     return demos[: cfg.sft.demos], demos[cfg.sft.demos:]
 
 
@@ -144,6 +143,12 @@ def with_other_frames(samples: list) -> list:
 # Held-out answer accuracy must drop by at least this much when the frames show another level, or the
 # warm start has learned the format and the common moves but not to look.
 MIN_FRAME_GAIN = 0.05
+
+
+# Reasoning that names every move (each move's cell): the frame check scores the whole response, since under
+# teacher forcing the answer copies it. Not `view` reasoning, whose decision clause is worded at random, so that
+# no whole response is the argmax (benchmarks/frame_gap.py measures what its frames change).
+WHOLE_RESPONSE_REASONING = ("path",)
 
 
 def frame_dependence(model, val_samples, accuracy: float, pad_id: int, device, micro_batch_size: int,
@@ -271,49 +276,6 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
     return metrics
 
 
-# Held-out accuracy at which the perception stage has done its job (it needs no more steps).
-PERCEPTION_TARGET = 0.98
-PERCEPTION_VAL_LEVELS = 200
-CELL_VAL_START = 10**6  # held-out cell questions are drawn from seeds from here (levels still distinct from evaluation)
-
-
-def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
-    """The first stage of a warm start from frames: up to `sft.perception_steps` steps (constant
-    learning rate, `sft.lr`) on `vagen.warmstart.perception` questions about `sft.perception_levels` levels,
-    until held-out accuracy reaches PERCEPTION_TARGET. Trains `model` in place; returns stats."""
-    from vagen.warmstart.demos import eval_level_keys
-    from vagen.warmstart.perception import perception_probes, question_sample
-
-    t0 = time.perf_counter()
-    sft = cfg.sft
-    exclude = eval_level_keys(cfg.env, sft.exclude_eval)
-    moves = cfg.rollout.max_turns * cfg.env.max_actions_per_turn - 1  # any frame an episode can show
-    probes = perception_probes(cfg.env, sft.perception_levels + PERCEPTION_VAL_LEVELS, moves, exclude,
-                               objects=tuple(sft.perception_objects), axes=tuple(sft.perception_axes))
-    samples = [question_sample(encoder, model, p.frame, p.question, p.answer, p.seed) for p in probes]
-    train, val = samples[: sft.perception_levels], samples[sft.perception_levels:]
-    answers = [p.answer for p in probes[sft.perception_levels:]]
-    majority = max(answers.count(a) for a in set(answers)) / len(answers)
-    log(f"perception: {len(train)} questions on the env's frames in {time.perf_counter() - t0:.1f}s; always "
-        f"answering the most common digit scores {majority:.3f} on {len(val)} held-out levels")
-    steps = sft.perception_steps
-    # accuracy sits at the majority answer's level for hundreds of steps before the model looks: no patience
-    stage = dataclasses.replace(cfg, sft=dataclasses.replace(
-        sft, lr_schedule="constant", max_steps=steps, min_steps=0, patience=steps, length_window=1,
-        batch_size=sft.perception_batch_size, micro_batch_size=sft.perception_batch_size))
-    engine = sft_engine(model, stage, dist)
-    stats = train_sft(engine, train, val, stage, encoder.pad_id, dist.device, log=lambda s: log(f"perception: {s}"),
-                      target_accuracy=PERCEPTION_TARGET, desc="sft: perception")
-    accuracy = stats["sft/val_answer_accuracy"]
-    if accuracy < majority + MIN_FRAME_GAIN:
-        log(f"warning: the perception stage ended at held-out accuracy {accuracy:.3f} after {stats['sft/step']} steps, "
-            f"no better than always giving the most common answer ({majority:.3f}): the model has not learned to "
-            f"read the frames, and the demonstrations will likely be learned blind. Raise sft.perception_steps, "
-            f"or build again with another model.builtin_seed")
-    return {"sft/perception_accuracy": stats["sft/val_answer_accuracy"], "sft/perception_steps": stats["sft/step"],
-            "sft/perception_majority": majority, "sft/perception_seconds": time.perf_counter() - t0}
-
-
 # -- held-out evaluation ----------------------------------------------------------------------------
 
 def play_levels(model, encoder, cfg, seeds: list[int], do_sample: bool, batch: int = 64, sample_seed: int = 0,
@@ -354,146 +316,14 @@ def held_out_metrics(model, encoder, cfg, seeds: list[int], do_sample: bool, bat
             "n": len(episodes)}
 
 
-def cell_question_samples(cfg, encoder, model) -> tuple[list, list, float]:
-    """`sft.cell_questions` training samples of `vagen.warmstart.perception.cell_probes` questions, held-out
-    ones on other levels, and the held-out score of always giving the most common answer. No level
-    is one of the first `sft.exclude_eval` evaluation levels."""
-    from vagen.warmstart.demos import eval_level_keys
-    from vagen.warmstart.perception import cell_probes, question_sample
-
-    exclude = eval_level_keys(cfg.env, cfg.sft.exclude_eval)
-    moves = tuple(cfg.sft.cell_moves)
-    train = cell_probes(cfg.env, cfg.sft.cell_questions, moves, exclude)
-    held_out = cell_probes(cfg.env, PERCEPTION_VAL_LEVELS, moves, exclude, start_seed=CELL_VAL_START)
-    answers = [p.answer for p in held_out]
-
-    def samples(probes):
-        return [question_sample(encoder, model, p.frame, p.question, p.answer, p.seed) for p in probes]
-
-    return samples(train), samples(held_out), max(answers.count(a) for a in set(answers)) / len(answers)
-
-
-def cell_stage_settings(sft):
-    """`sft` (an SFTConfig) as the cell-question stage trains: `sft.cell_steps` steps, all of them
-    (no early stopping), batches of `sft.cell_batch_size`, a cosine from `sft.lr` to 0 whatever the
-    first stage's schedule (it ends settled, like a converged build)."""
-    return dataclasses.replace(sft, max_steps=sft.cell_steps, min_steps=sft.cell_steps, batch_size=sft.cell_batch_size,
-                               micro_batch_size=min(sft.micro_batch_size, sft.cell_batch_size), lr_schedule="cosine")
-
-
-def cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, log=print):
-    """The last stage of a FrozenLake or Sokoban warm start: `sft.cell_steps` more steps (a new optimizer and
-    cosine schedule, batch `sft.cell_batch_size`) on the demonstrations mixed with
-    `sft.cell_questions` questions about the cells 1 or 2 moves from the player
-    (`vagen.warmstart.perception.cell_probes`). The demonstrations name only the cells next to the player;
-    these questions make the model read the cells that a turn's later moves enter. Returns the
-    engine and stats."""
-    sft = cfg.sft
-    t0 = time.perf_counter()
-    questions, val, majority = cell_question_samples(cfg, encoder, model)
-    log(f"cells: {len(questions)} questions mixed into {len(train_samples)} demonstrations in "
-        f"{time.perf_counter() - t0:.1f}s; always the most common answer scores {majority:.3f} held out")
-    stage = dataclasses.replace(cfg, sft=cell_stage_settings(sft))
-    engine = sft_engine(model, stage, dist)
-    accuracy = {}
-
-    def check(step, metrics):
-        accuracy.update(answer_accuracy(engine.module, val, encoder.pad_id, dist.device, sft.micro_batch_size))
-        log(f"cells: step {step} held-out question accuracy {accuracy['sft/val_answer_accuracy']:.3f}")
-
-    stats = train_sft(engine, train_samples + questions, val_samples, stage, encoder.pad_id, dist.device, log=log,
-                      on_check=check, desc="sft: cells")
-    stats.update({"sft/cell_accuracy": accuracy["sft/val_answer_accuracy"], "sft/cell_majority": majority,
-                  "sft/cell_seconds": time.perf_counter() - t0})
-    return engine, stats
-
-
-ON_POLICY_START = 2 * 10**6  # the on-policy stage plays training levels from these seeds (distinct from evaluation)
-ON_POLICY_VAL_LEVELS = 128  # held-out levels of the on-policy stage at most (an eighth of its levels, at least 4)
-
-
-def relabelled_samples(episodes, cfg, encoder, model, policy: str = "teacher") -> list:
-    """For each turn after the first of each of `episodes` (played by the model), a training sample
-    whose context is the model's own episode up to that turn, token for token (its earlier responses,
-    the env's replies and frames), and whose one learned response is `policy`'s from the state the
-    model reached (found by replaying the model's responses in the env's text mode)."""
-    import numpy as np
-
-    from vagen.episode import Episode, Turn
-    from vagen.rollout import make_env
-    from vagen.trajectory import episode_to_sample
-    from vagen.warmstart.demos import demo_response
-
-    env = make_env(cfg.env, {"render_mode": "text"})
-    samples = []
-    for episode in episodes:
-        if episode.error or len(episode.turns) < 2:
-            continue
-        env.reset(seed=episode.seed)
-        for t in range(1, len(episode.turns)):
-            _, _, terminated, truncated, _ = env.step(episode.turns[t - 1].response)
-            if terminated or truncated:  # the env ended where the rollout did not: nothing to relabel
-                break
-            turn = episode.turns[t]
-            target = demo_response(env, policy, np.random.default_rng([episode.seed, 13, t]), kind=cfg.sft.reasoning)
-            generated, text = encoder.finish_response(encoder.encode_text(target))
-            start, images = turn.span[0], sum(len(earlier.images) for earlier in episode.turns[: t + 1])
-            relabelled = Episode(episode.env_name, episode.seed, len(samples), episode.system_prompt,
-                                 input_ids=episode.input_ids[:start] + generated,
-                                 pixel_values=episode.pixel_values[:images],
-                                 image_grid_thw=episode.image_grid_thw[:images])
-            relabelled.turns.append(Turn(turn.observation, turn.images, text, 0.0, {},
-                                         (start, start + len(generated)), len(generated)))
-            samples.append(episode_to_sample(relabelled, encoder, model))
-    return samples
-
-
-def on_policy_stage(model, encoder, cfg, dist, train_samples, policy: str = "teacher", log=print):
-    """The last stage of a warm start: the model plays `sft.on_policy_levels` training levels (sampled at
-    `rollout.temperature`, none of them an evaluation level), `relabelled_samples` turns each of its
-    later turns into `policy`'s answer after the model's own history, and `sft.on_policy_steps` steps
-    (a new optimizer and a cosine from `sft.lr`, batch `sft.batch_size`) learn them mixed with the
-    demonstrations. Demonstrations alone show only the teacher's own histories, while RL samples
-    after the model's; this stage trains on those. Returns the engine and stats."""
-    from vagen.rollout import make_env, rollout_metrics
-    from vagen.warmstart.demos import distinct_levels, eval_level_keys
-
-    sft = cfg.sft
-    t0 = time.perf_counter()
-    exclude = eval_level_keys(cfg.env, sft.exclude_eval)
-    env = make_env(cfg.env, {"render_mode": "text"})
-    val_levels = min(ON_POLICY_VAL_LEVELS, max(4, sft.on_policy_levels // 8))
-    seeds = list(distinct_levels(env, sft.on_policy_levels + val_levels, itertools.count(ON_POLICY_START),
-                                 exclude, fix="lower sft.on_policy_levels"))
-    episodes = play_levels(model, encoder, cfg, seeds, do_sample=True, sample_seed=1)
-    played = rollout_metrics(episodes)
-    cut = sft.on_policy_levels
-    train = relabelled_samples(episodes[:cut], cfg, encoder, model, policy)
-    val = relabelled_samples(episodes[cut:], cfg, encoder, model, policy)
-    if not train or not val:
-        raise RuntimeError(f"the on-policy stage found {len(train)} training and {len(val)} held-out turns after the "
-                           f"first: the model's episodes end in one turn (rollout.max_turns={cfg.rollout.max_turns}); "
-                           f"set sft.on_policy_levels=0")
-    log(f"on-policy: the model played {len(episodes)} levels (format ok {played['rollout/format_ok']:.3f}, success "
-        f"{played['rollout/success']:.3f}); {len(train)} later turns relabelled by the {policy}, mixed into "
-        f"{len(train_samples)} demonstrations ({time.perf_counter() - t0:.0f}s)")
-    stage = dataclasses.replace(cfg, sft=dataclasses.replace(
-        sft, max_steps=sft.on_policy_steps, min_steps=sft.on_policy_steps, lr_schedule="cosine"))
-    engine = sft_engine(model, stage, dist)
-    stats = train_sft(engine, train_samples + train, val, stage, encoder.pad_id, dist.device,
-                      log=lambda line: log(f"on-policy: {line}"), desc="sft: on-policy")
-    return engine, {"sft/on_policy_format_ok": played["rollout/format_ok"],
-                    "sft/on_policy_success": played["rollout/success"], "sft/on_policy_turns": len(train),
-                    "sft/on_policy_accuracy": stats["sft/val_answer_accuracy"],
-                    "sft/on_policy_seconds": time.perf_counter() - t0}
-
-
 # -- building a warm start --------------------------------------------------------------------------
 
 def demonstration_code(env_name: str, perception: bool = False) -> str:
     """Hash of the code that writes the demonstrations: `vagen.warmstart.demos` and the env's module
-    (its teacher, solver, dynamics, frames and prompts), and with `perception`
-    `vagen.warmstart.perception`; recorded with each build, so a card says which demonstrations it learned."""
+    (its teacher, solver, dynamics, frames and prompts) with its own teacher and question modules where it
+    has them, and with `perception` `vagen.warmstart.perception`; recorded with each build, so a card says which demonstrations it learned."""
+    import importlib
+    import importlib.util
     import inspect
 
     import envs_visual
@@ -502,6 +332,10 @@ def demonstration_code(env_name: str, perception: bool = False) -> str:
 
     env_module = inspect.getmodule(envs_visual.env_class(env_name))
     modules = (demos, env_module) + ((questions,) if perception else ())
+    # the env's teacher and question modules, where it has its own (envs_visual/NAME_teacher.py, QUESTION_MODULES)
+    for name in (f"{env_module.__name__}_teacher", questions.QUESTION_MODULES.get(env_name)):
+        if name and importlib.util.find_spec(name) is not None:
+            modules += (importlib.import_module(name),)
     text = "".join(inspect.getsource(module) for module in modules)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -584,7 +418,7 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
                                      cfg.sft.micro_batch_size))
     if val_samples and val_samples[0].pixel_values is not None:
         stats.update(frame_dependence(engine.module, val_samples, stats["sft/val_answer_accuracy"], encoder.pad_id,
-                                      dist.device, cfg.sft.micro_batch_size, log, cfg.sft.reasoning == "path"))
+                                      dist.device, cfg.sft.micro_batch_size, log, cfg.sft.reasoning in WHOLE_RESPONSE_REASONING))
     stats.update({"sft/data_seconds": data_s, "sft/build_seconds": time.perf_counter() - t0,
                   "sft/demo_success": sum(d.success for d in train_demos) / len(train_demos)})
     settings = {s: cfg.to_dict()[s] for s in ("model", "env", "rollout", "sft")}
@@ -681,3 +515,19 @@ def report(cfg, checkpoint: Path, n: int) -> dict:
         print(f"{name:12s} success {row['success']:.3f} [{low:.3f}, {high:.3f}]  return {row['return']:.3f}  "
               f"format_ok {row.get('format_ok', 1.0):.3f}  (n={row['n']})", flush=True)
     return rows
+
+
+# the stages live in their own module, which trains with this one's loop: imported last
+from vagen.warmstart.stages import (  # noqa: E402, F401
+    CELL_VAL_START,
+    ON_POLICY_START,
+    ON_POLICY_VAL_LEVELS,
+    PERCEPTION_TARGET,
+    PERCEPTION_VAL_LEVELS,
+    cell_question_samples,
+    cell_question_stage,
+    cell_stage_settings,
+    on_policy_stage,
+    perception_stage,
+    relabelled_samples,
+)
