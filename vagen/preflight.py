@@ -21,6 +21,10 @@ from pathlib import Path
 # equal), known here without importing torch.
 KNOWN_MODEL_TYPES = ("qwen2", "qwen2_5_vl", "qwen2_vl", "qwen3", "qwen3_5", "qwen3_vl")
 
+# The `model_type`s whose family refuses packed micro-batches (`Family.packs` is False; tests/test_packing.py
+# keeps the two equal): their layers' recurrent state would run from one packed sample into the next.
+UNPACKED_MODEL_TYPES = ("qwen3_5",)
+
 # config.json keys that turn on the built-in VLM's image hooks (`vagen.models.image_hooks`); the same
 # names as CENTER_IMAGE_TOKENS and IMAGE_POSITION_CODE there.
 IMAGE_HOOK_KEYS = ("vagen_center_image_tokens", "vagen_image_position_code")
@@ -113,3 +117,18 @@ def checkpoint_problems(cfg, path: str | None = None, label: str = "model.path")
                         f"trained (every shipped visual warm start and builtin:tiny-vl have them). Use "
                         f"rollout.backend=hf, or a standard checkpoint of a known family (model.path=/path/to/it)")
     return problems
+
+
+def packing_problems(cfg) -> list[str]:
+    """train.pack_sequences over a checkpoint whose family cannot run packed rows exactly (`Family.packs`);
+    nothing when the checkpoint is not on this machine."""
+    if not cfg.train.pack_sequences:
+        return []
+    config, source = checkpoint_config(cfg.model.path, cfg.model.builtin_position_code)
+    model_type = (config or {}).get("model_type")
+    if model_type not in UNPACKED_MODEL_TYPES:
+        return []
+    return [f"train.pack_sequences=true with model.path={cfg.model.path}, whose {source} says model_type "
+            f"{model_type!r}: its linear-attention layers would carry their state from one packed sequence into the "
+            f"next with transformers' kernels, so packed log-probs would differ from padded ones; set "
+            f"train.pack_sequences=false (train.micro_batch_tokens still cuts micro-batches by tokens)"]
