@@ -4,9 +4,9 @@ multi-turn trajectories of the shapes real checkpoints write.
 
     python benchmarks/bench_packing.py                      # tiny model and the 0.5B-shaped one (2 layers)
     python benchmarks/bench_packing.py --layers 24          # the 0.5B shape whole (slow on a CPU)
-    python benchmarks/bench_packing.py --models tiny --shapes navigation
+    python benchmarks/bench_packing.py --models 0.5b --shapes navigation --trajectories 4
 
-Trajectories: 8 per batch, real frames of the environment (one per turn) and random response tokens of
+Trajectories: 8 per batch (`--trajectories`), real frames of the environment (one per turn) and random response tokens of
 between half and all of a turn's budget: navigation 1 to 5 turns of up to 256 tokens, Sokoban 1 to 3 turns of
 up to 200 (the real-model budgets of `configs/navigation_visual.yaml` and `sokoban_visual.yaml`). Each
 setting runs in a fresh process, one thread: the forward and backward of the policy-gradient loss over every
@@ -38,7 +38,6 @@ SETTINGS = {
     "tokens 4096": ["train.micro_batch_tokens=4096"],
     "packed 4096": ["train.micro_batch_tokens=4096", "train.pack_sequences=true"],
 }
-TRAJECTORIES = 8
 
 
 def peak() -> int:
@@ -53,8 +52,8 @@ def reset_peak() -> None:
         handle.write("5")
 
 
-def trajectories(model, processor, config: str, max_turns: int, budget: int, seed: int = 0):
-    """`TRAJECTORIES` samples of 1..max_turns turns (cycling), each turn a real frame of the environment and a
+def trajectories(model, processor, config: str, max_turns: int, budget: int, count: int, seed: int = 0):
+    """`count` samples of 1..max_turns turns (cycling), each turn a real frame of the environment and a
     random response of budget/2..budget tokens."""
     import random
 
@@ -71,7 +70,7 @@ def trajectories(model, processor, config: str, max_turns: int, budget: int, see
     rng = random.Random(seed)
     vocab = len(encoder.tokenizer) - 300  # clear of the special tokens at the end
     samples = []
-    for i in range(TRAJECTORIES):
+    for i in range(count):
         obs, _ = env.reset(seed=i)
         episode = Episode(config, seed=i, group_id=i, system_prompt=env.system_prompt())
         for turn in range(1 + i % max_turns):
@@ -93,7 +92,7 @@ def trajectories(model, processor, config: str, max_turns: int, budget: int, see
     return samples, encoder.pad_id, torch
 
 
-def worker(model_path: str, config: str, max_turns: int, budget: int, overrides: list[str]) -> dict:
+def worker(model_path: str, config: str, max_turns: int, budget: int, count: int, overrides: list[str]) -> dict:
     import torch
 
     from vagen.config import load_config
@@ -105,7 +104,7 @@ def worker(model_path: str, config: str, max_turns: int, budget: int, overrides:
     torch.manual_seed(0)
     model, processor = load_policy(Path(model_path))
     model.train()
-    samples, pad_id, _ = trajectories(model, processor, config, max_turns, budget)
+    samples, pad_id, _ = trajectories(model, processor, config, max_turns, budget, count)
     train = load_config(config, overrides).train
     plan = micro_batches(samples, list(range(len(samples))), train)
 
@@ -135,12 +134,13 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="navigation,sokoban", help="comma list of navigation and sokoban")
     parser.add_argument("--layers", type=int, default=2, help="text layers of the 0.5B-shaped model (24: whole)")
     parser.add_argument("--cache", default="~/.cache/vagen-bench", help="where the 0.5B-shaped checkpoint is built")
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--trajectories", type=int, default=8, help="trajectories per batch")
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        model_path, config, turns, budget = args.worker
-        print(json.dumps(worker(model_path, config, int(turns), int(budget), args.overrides)))
+        model_path, config, turns, budget, count = args.worker
+        print(json.dumps(worker(model_path, config, int(turns), int(budget), int(count), args.overrides)))
         return 0
     models = {}
     for name in args.models.split(","):
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
             config, turns, budget = SHAPES[shape]
             for setting, overrides in SETTINGS.items():
                 out = subprocess.run([sys.executable, __file__, "--worker", path, config, str(turns), str(budget),
-                                      "--", *overrides], capture_output=True, text=True, check=False)
+                                      str(args.trajectories), "--", *overrides], capture_output=True, text=True, check=False)
                 if out.returncode:
                     raise SystemExit(f"{label} {shape} {setting} failed:\n{out.stderr[-3000:]}")
                 r = json.loads(out.stdout.strip().splitlines()[-1])
