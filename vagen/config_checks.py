@@ -153,6 +153,9 @@ def validate(cfg) -> None:
         value = getattr(getattr(cfg, section), key)
         if value < 1:
             raise ConfigError(f"{section}.{key}={value} must be >= 1")
+    if tr.micro_batch_tokens < 0:
+        raise ConfigError(f"train.micro_batch_tokens={tr.micro_batch_tokens} must be >= 0: the most tokens one "
+                          f"forward/backward takes (e.g. 4096), or 0 to cut micro-batches by train.micro_batch_size")
     if set(cfg.sft.perception_axes) - {"row", "column"} or not cfg.sft.perception_axes:
         raise ConfigError(f"sft.perception_axes={cfg.sft.perception_axes} must name row, column or both")
     if cfg.sft.perception_steps < 0 or cfg.sft.perception_levels < 1 or cfg.sft.perception_batch_size < 1:
@@ -567,9 +570,9 @@ def machine_problems(cfg) -> list[str]:
     """What this environment and the checkpoint's config.json rule out, read before anything loads
     (`vagen.preflight`): a package the config's backend or extras import and this environment lacks (vllm,
     peft, a tracker's), a model family vagen does not know, vagen's image hooks under rollout.backend=vllm."""
-    from vagen.preflight import checkpoint_problems, missing_packages
+    from vagen.preflight import checkpoint_problems, missing_packages, packing_problems
 
-    return missing_packages(cfg) + checkpoint_problems(cfg)
+    return missing_packages(cfg) + checkpoint_problems(cfg) + packing_problems(cfg)
 
 
 # DeepSpeed keeps a frozen parameter that a checkpointed layer's recompute gathers until that layer's backward

@@ -281,7 +281,14 @@ class TrainConfig:
     mini_batch_size: int = _f(16, "trajectories per optimizer step (global); with rollout.context=window, every turn "
                                    "sample of that many trajectories")
     micro_batch_size: int = _f(4, "sequences per forward/backward (per rank): trajectories, or turn samples with "
-                                  "rollout.context=window")
+                                  "rollout.context=window; unused when train.micro_batch_tokens > 0")
+    micro_batch_tokens: int = _f(0, "cut each rank's mini-batch into micro-batches by tokens instead of by count: "
+                                    "at most this many tokens (text and image tokens; padded width x rows, or the "
+                                    "sum of lengths with train.pack_sequences) per forward/backward, a longer "
+                                    "sequence alone; 0 = train.micro_batch_size sequences")
+    pack_sequences: bool = _f(False, "run each micro-batch's sequences back to back in one row, without padding "
+                                     "(attention stays within each sequence, each keeps its positions and frames; "
+                                     "same log-probs and values as padded); refused for Qwen3.5")
     deepspeed_config: str = _f("deepspeed/zero0_fp32.json", "DeepSpeed JSON, relative to configs/")
     run_dir: str = _f("runs", "parent directory of run directories")
     run_name: str | None = _f(None, "run directory name; null = <config>-<time>")

@@ -24,6 +24,10 @@ FAMILY_MODEL_TYPES = {"qwen2_vl": ("qwen2_5_vl", "qwen2_vl"), "qwen3_vl": ("qwen
                       "qwen_text": ("qwen2", "qwen3")}
 KNOWN_MODEL_TYPES = tuple(sorted(t for types in FAMILY_MODEL_TYPES.values() for t in types))
 
+# The `model_type`s whose family refuses packed micro-batches (`Family.packs` is False; tests/test_packing.py
+# keeps the two equal): their layers' recurrent state would run from one packed sample into the next.
+UNPACKED_MODEL_TYPES = ("qwen3_5",)
+
 # config.json keys that turn on the built-in VLM's image hooks (`vagen.models.image_hooks`); the same
 # names as CENTER_IMAGE_TOKENS and IMAGE_POSITION_CODE there.
 IMAGE_HOOK_KEYS = ("vagen_center_image_tokens", "vagen_image_position_code")
@@ -180,3 +184,18 @@ def recipe_family_problem(family: str, recipe: str, path: str, position_code: bo
             f"but model.path={path}: {source} has model_type {model_type!r}, of family {actual}; the recipe's image "
             f"geometry and budgets are its family's. Use a recipe of family {actual}{instead}, or a checkpoint of "
             f"family {family}")
+
+
+def packing_problems(cfg) -> list[str]:
+    """train.pack_sequences over a checkpoint whose family cannot run packed rows exactly (`Family.packs`);
+    nothing when the checkpoint is not on this machine."""
+    if not cfg.train.pack_sequences:
+        return []
+    config, source = checkpoint_config(cfg.model.path, cfg.model.builtin_position_code)
+    model_type = (config or {}).get("model_type")
+    if model_type not in UNPACKED_MODEL_TYPES:
+        return []
+    return [f"train.pack_sequences=true with model.path={cfg.model.path}, whose {source} says model_type "
+            f"{model_type!r}: its linear-attention layers would carry their state from one packed sequence into the "
+            f"next with transformers' kernels, so packed log-probs would differ from padded ones; set "
+            f"train.pack_sequences=false (train.micro_batch_tokens still cuts micro-batches by tokens)"]

@@ -18,12 +18,35 @@ import torch
 
 from vagen import core
 from vagen.distributed import all_reduce, gather_objects, gathered, partitioned_over_ranks
-from vagen.models import forward_shared_prefix
+from vagen.models import forward_packed, forward_shared_prefix
 from vagen.trajectory import Sample, collate, model_inputs
 
 
 def chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def micro_batch_tokens(lengths: list[int], packed: bool) -> int:
+    """Tokens one forward/backward runs over sequences of `lengths`: the padded batch's rows x width, or with
+    packing the sum of the lengths."""
+    return sum(lengths) if packed else len(lengths) * max(lengths, default=0)
+
+
+def micro_batches(samples: list[Sample], indices: list[int], train) -> list[list[int]]:
+    """`indices` (into `samples`, in order) cut into micro-batches: `train.micro_batch_size` sequences each, or
+    with `train.micro_batch_tokens` > 0 as many consecutive sequences as fit that many tokens
+    (`micro_batch_tokens`; a sequence longer than the budget is a micro-batch of its own)."""
+    budget = train.micro_batch_tokens
+    if budget <= 0:
+        return chunks(indices, train.micro_batch_size)
+    out, current = [], []
+    for i in indices:
+        lengths = [samples[j].length for j in current] + [samples[i].length]
+        if current and micro_batch_tokens(lengths, train.pack_sequences) > budget:
+            out.append(current)
+            current = []
+        current.append(i)
+    return out + [current] * bool(current)
 
 
 # Rows of [positions, vocab] logits that `head_logprobs` computes at once: 1/32 of the positions, and no
@@ -112,15 +135,17 @@ def head_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperat
     return torch.cat(logprobs), torch.cat(entropies)
 
 
-def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool, suppress_ids=()):
+def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool, suppress_ids=(),
+                   packed: bool = False):
     """Log-probabilities [B, L] of the generated tokens of `batch` (on the model's device) given
     their prefix, and optionally the entropy of the distribution each was drawn from. Only the
     positions of generated tokens are computed (they are all that is trained); the rest are 0.
     Logits are divided by the sampling temperature so that ratios compare the distributions that
-    were actually sampled."""
+    were actually sampled. `packed`: the forward runs the rows back to back in one (`forward_packed`)."""
     input_ids = batch["input_ids"]
     module = getattr(model, "module", model)
-    hidden = forward_shared_prefix(model, model_inputs(batch), final_hidden=True)
+    forward = forward_packed if packed else forward_shared_prefix
+    hidden = forward(model, model_inputs(batch), final_hidden=True)
     rows, positions = batch["loss_mask"][:, 1:].nonzero(as_tuple=True)  # position t predicts token t + 1
     suppress = torch.tensor(list(suppress_ids), dtype=torch.long, device=hidden.device) if len(suppress_ids) else None
     lp, ent = head_logprobs(module.get_output_embeddings(), hidden[rows, positions],
@@ -133,12 +158,12 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, wi
     return logprobs, entropies
 
 
-def synced_micro_batches(samples: list, micro_batch_size: int) -> list[list[int] | None]:
-    """This rank's micro-batches (indices into `samples`), padded with None to the largest count of any
-    rank. Under ZeRO-3 every forward gathers parameters collectively, and under ZeRO-2 every backward
+def synced_micro_batches(samples: list, train) -> list[list[int] | None]:
+    """This rank's micro-batches (indices into `samples`, cut by `micro_batches`), padded with None to the
+    largest count of any rank. Under ZeRO-3 every forward gathers parameters collectively, and under ZeRO-2 every backward
     reduces gradients, so every rank must run as many passes as the busiest; a None is a pass whose
     result is thrown away (or whose loss is multiplied by 0)."""
-    micro = chunks(list(range(len(samples))), micro_batch_size)
+    micro = micro_batches(samples, list(range(len(samples))), train)
     most = int(all_reduce(torch.tensor([len(micro)], dtype=torch.float64), "max")[0])
     if most and not samples:
         raise RuntimeError("this rank holds no trajectory while others do, so it has nothing to run its "
@@ -151,17 +176,18 @@ def annotate(samples: list[Sample], actor, critic, reference, cfg, pad_id: int, 
     """Store old_logprobs, entropies, values (with a critic) and ref_logprobs (with a reference) on
     each sample's `extra`, trimmed to the sample's length. `suppress_ids`: token ids the rollout never
     samples, left out of the log-probabilities' support (`head_logprobs`)."""
-    temperature = cfg.rollout.temperature
-    for indices in synced_micro_batches(samples, cfg.train.micro_batch_size):
+    temperature, packed = cfg.rollout.temperature, cfg.train.pack_sequences
+    for indices in synced_micro_batches(samples, cfg.train):
         group = [samples[i] for i in (indices if indices is not None else [0])]
         batch = {k: v.to(device) for k, v in collate(group, pad_id).items()}
-        logprobs, entropies = token_logprobs(actor, batch, temperature, with_entropy=True, suppress_ids=suppress_ids)
+        logprobs, entropies = token_logprobs(actor, batch, temperature, with_entropy=True, suppress_ids=suppress_ids,
+                                             packed=packed)
         results = {"old_logprobs": logprobs, "entropies": entropies}
         if critic is not None:
-            results["old_values"] = critic(**model_inputs(batch)).float()
+            results["old_values"] = critic(**model_inputs(batch), packed=packed).float()
         if reference is not None:
             results["ref_logprobs"], _ = token_logprobs(reference, batch, temperature, with_entropy=False,
-                                                        suppress_ids=suppress_ids)
+                                                        suppress_ids=suppress_ids, packed=packed)
         if indices is None:
             continue
         for row, sample in enumerate(group):
@@ -514,7 +540,7 @@ def plan_epoch(samples: list[Sample], cfg, world_size: int, generator: torch.Gen
     minis = [[i for t in part for i in rows[t]] for part in chunks(order, max(1, tr.mini_batch_size // world_size))]
     n_minis = int(all_reduce(torch.tensor([len(minis)], dtype=torch.float64), "max")[0])
     minis += [[] for _ in range(n_minis - len(minis))]
-    plans = [chunks(m, tr.micro_batch_size) for m in minis]
+    plans = [micro_batches(samples, m, tr) for m in minis]
     shape = torch.tensor([[len(p)] + _denominators(samples, m, cfg.algo.loss_agg) for p, m in zip(plans, minis)],
                          dtype=torch.float64).reshape(n_minis, 4)
     most = all_reduce(shape[:, :1].clone(), "max")[:, 0]
@@ -592,11 +618,20 @@ def ppo_update(actor_engine, critic_engine, samples: list[Sample], cfg, pad_id: 
     fields += ("tis_weights",) if samples and "tis_weights" in samples[0].extra else ()
     actor = actor_engine if update_actor else None
     stats = UpdateStats(bad_steps_in_a_row)
+    passes, real_tokens, run_tokens = 0, 0, 0
     for _ in range(cfg.train.ppo_epochs):
         for mini in plan_epoch(samples, cfg, world_size, generator, shuffle):
+            for indices in mini.micro:
+                passes += 1
+                lengths = [samples[i].length for i in indices or []]
+                real_tokens += sum(lengths)
+                run_tokens += micro_batch_tokens(lengths, cfg.train.pack_sequences)
             stats.end_minibatch(*train_minibatch(actor, critic_engine, samples, mini, cfg, pad_id, device, world_size,
                                                  fields, stats, suppress_ids))
     metrics = stats.metrics(update_actor, critic_engine is not None)
+    # this rank's forward/backward passes, and the share of the tokens they ran that were padding
+    metrics["update/micro_batches"] = float(passes)
+    metrics["update/padding_fraction"] = 1.0 - real_tokens / run_tokens if run_tokens else 0.0
     if critic_engine is not None:
         metrics["critic/explained_var"] = explained_variance(samples)
     return metrics
@@ -633,7 +668,7 @@ def train_minibatch(actor_engine, critic_engine, samples: list[Sample], mini: Mi
                 for key, value in pg_metrics.items():
                     stats.add(f"actor/{key}", value)
         if critic_engine is not None:
-            values = critic_engine(**model_inputs(batch))
+            values = critic_engine(**model_inputs(batch), packed=cfg.train.pack_sequences)
             vf_loss, vf_metrics = core.value_loss(values, batch["old_values"], batch["returns"], batch["loss_mask"],
                                                   clip=algo.value_clip, denominator=mini.value_den, **norm)
             critic_engine.backward(algo.vf_coef * vf_loss * weight, scale_wrt_gas=False)
@@ -651,7 +686,7 @@ def actor_loss(actor_engine, batch: dict[str, torch.Tensor], mini: MiniBatch, cf
     algo = cfg.algo
     sampled_mask = batch["sampled_mask"]
     logprobs, entropies = token_logprobs(actor_engine, batch, cfg.rollout.temperature, with_entropy=True,
-                                         suppress_ids=suppress_ids)
+                                         suppress_ids=suppress_ids, packed=cfg.train.pack_sequences)
     pg_loss, pg_metrics = core.ppo_policy_loss(
         logprobs, batch["old_logprobs"], batch["advantages"], batch["adv_mask"], clip_low=algo.clip_low,
         clip_high=algo.clip_high, dual_clip=algo.dual_clip, denominator=mini.pg_den, weights=batch.get("tis_weights"),

@@ -50,6 +50,7 @@ from vagen.models.family import CHAT_TEMPLATE, SPECIAL_TOKENS, VISION_TOKENS, Fa
 from vagen.models.forward import (  # noqa: E402
     MIN_SHARED_PREFIX,
     cache_argument,
+    forward_packed,
     forward_shared_prefix,
     generated_positions,
     rope_positions,
@@ -78,7 +79,7 @@ __all__ = [
     "IMAGE_POSITION_CODE", "MIN_SHARED_PREFIX", "POSITION_FREQUENCIES", "SPECIAL_TOKENS", "TinySpec",
     "VISION_TOKENS", "ValueModel", "add_adapters", "backbone_of", "base_checkpoint", "builtin_family",
     "cache_argument", "center_image_tokens", "check_lora_targets", "disable_dropout", "family_of",
-    "forward_shared_prefix", "generated_positions", "has_adapters", "image_position_code", "is_vision_checkpoint",
+    "forward_packed", "forward_shared_prefix", "generated_positions", "has_adapters", "image_position_code", "is_vision_checkpoint",
     "known_model_types", "load_policy", "lora_targets", "matmul_patch_embedding", "resolve_model_path",
     "rope_positions", "saved_critic", "select_rows", "set_pixel_bounds", "shared_prefix_length", "target_names",
     "tokenizer_corpus", "tokenizer_of", "without_wrapper",

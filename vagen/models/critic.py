@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from vagen.models.adapters import has_adapters
-from vagen.models.forward import forward_shared_prefix
+from vagen.models.forward import forward_packed, forward_shared_prefix
 from vagen.models.loading import backbone_of
 
 
@@ -30,8 +30,9 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, **inputs) -> torch.Tensor:
-        hidden = forward_shared_prefix(self.backbone, inputs)
+    def forward(self, packed: bool = False, **inputs) -> torch.Tensor:
+        """`packed`: the rows run back to back in one (`forward_packed`), with the same values."""
+        hidden = (forward_packed if packed else forward_shared_prefix)(self.backbone, inputs)
         values = self.value_head(hidden[:, :-1].to(self.value_head.weight.dtype)).squeeze(-1)
         return torch.nn.functional.pad(values, (1, 0))
 

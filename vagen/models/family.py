@@ -59,6 +59,10 @@ class Family:
     # Whether a cache built under autograd can be continued under autograd: False where layers update
     # their states in place (the backward pass of the first call needs the state the second overwrote).
     cache_under_gradients: bool = True
+    # Whether a micro-batch's samples may run packed in one row (`train.pack_sequences`): attention keeps to
+    # each sample through the packed positions transformers reads. False where a layer's recurrent state
+    # would run from one sample into the next with transformers' own kernels.
+    packs: bool = True
 
     @property
     def model_types(self) -> tuple:

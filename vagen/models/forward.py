@@ -65,6 +65,52 @@ def _uses_gradient_checkpointing(module) -> bool:
     return bool(module.training and getattr(module, flag, False))
 
 
+def pack_inputs(inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """A right-padded batch (`attention_mask` [B, L]) as one row of its samples' real tokens, back to back,
+    and the (row, column) [N] of each packed token in the padded batch.
+
+    Each sample keeps its own positions: M-RoPE positions [3, B, L] go in as [4, 1, N] with a first row
+    of text positions that restart at 0 at each sample, which is how transformers' Qwen-VL models read a
+    packed row (no attention mask: `create_causal_mask` finds the samples where the text positions restart,
+    and attends within each; flash-attention reads the same boundaries as variable-length sequences).
+    Text models' positions [B, L] go in as [1, N]. Images stay in order: the samples' frames were
+    concatenated in row order, which is the order of their image tokens in the packed row."""
+    mask = inputs["attention_mask"].bool()
+    rows, columns = mask.nonzero(as_tuple=True)  # row-major: sample after sample, each from column 0
+    packed = {"input_ids": inputs["input_ids"][rows, columns][None]}
+    positions = inputs["position_ids"]
+    if positions.dim() == 3:
+        packed["position_ids"] = torch.cat([columns[None, None], positions[:, rows, columns][:, None]])
+    else:
+        packed["position_ids"] = columns[None]
+    for name in ("pixel_values", "image_grid_thw"):
+        if name in inputs:
+            packed[name] = inputs[name]
+    return packed, (rows, columns)
+
+
+def forward_packed(model, inputs: dict[str, torch.Tensor], final_hidden: bool = False) -> torch.Tensor:
+    """What `forward_shared_prefix` returns without `logits_to_keep` (the last hidden state [B, L, H], or
+    with `final_hidden` the one the LM head reads), computed with the batch's samples packed into one row
+    (`pack_inputs`): no compute or activation memory is spent on padding. Zeros at padding positions."""
+    module = without_wrapper(getattr(model, "module", model))
+    family = family_of(module)
+    if not family.packs:
+        raise ValueError(f"train.pack_sequences=true with a {family.name} model: its layers would carry state "
+                         f"from one packed sample into the next; set train.pack_sequences=false")
+    packed, (rows, columns) = pack_inputs(inputs)
+    if final_hidden:
+        extra = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=packed["input_ids"].device)}
+        with _backbone_outputs(module) as caught:
+            model(**packed, use_cache=False, **extra)
+            hidden = caught.pop()
+    else:
+        hidden = model(**packed, use_cache=False).last_hidden_state
+    batch, width = inputs["input_ids"].shape
+    out = hidden.new_zeros(batch, width, hidden.shape[-1])
+    return out.index_put((rows, columns), hidden[0])
+
+
 def forward_shared_prefix(model, inputs: dict[str, torch.Tensor], logits_to_keep: torch.Tensor | None = None,
                           final_hidden: bool = False):
     """`model(**inputs)` on a right-padded batch, with the prefix that all rows share computed once.

@@ -8,6 +8,9 @@ What the hybrid layers change:
   does not keep the cache across turns (`inert_padding`).
 - The layers update their cache states in place, so a cache built under autograd cannot be continued
   under autograd: the shared-prefix forward runs whole when gradients are on (`cache_under_gradients`).
+- Packed micro-batches (`train.pack_sequences`) are refused: transformers' torch kernel of the linear layers
+  carries the recurrent state from one packed sample into the next (only its flash-linear-attention path
+  reads sequence boundaries).
 - LoRA targets add the linear layers' projections (`in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b`,
   `out_proj`) to the attention and MLP ones.
 - vLLM keeps one state per sequence for the linear layers; with prefix caching it needs chunked prefill.
@@ -50,4 +53,5 @@ class Qwen3_5(Family):
 
 QWEN3_5 = Qwen3_5(name="qwen3_5", vision=True, builtin="builtin:tiny-qwen3.5",
                   architectures={"qwen3_5": "Qwen3_5ForConditionalGeneration"},
-                  lora_targets=ATTENTION_AND_MLP + LINEAR_ATTENTION, inert_padding=False, cache_under_gradients=False)
+                  lora_targets=ATTENTION_AND_MLP + LINEAR_ATTENTION, inert_padding=False, cache_under_gradients=False,
+                  packs=False)
