@@ -149,3 +149,19 @@ def test_navigation_visual_trains_an_iteration_with_token_budgeted_packed_micro_
     [record] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert record["iteration"] == 0 and record["update/micro_batches"] >= 1
     assert all(key in record for key in ("actor/pg_loss", "critic/vf_loss", "rollout/success"))
+
+
+def test_the_memory_estimate_counts_a_token_budget_as_the_trajectories_it_holds():
+    from vagen.memory import KNOWN_SHAPES, update_activations
+
+    shape = KNOWN_SHAPES["Qwen2.5-VL-3B-Instruct"]
+
+    def activations(*extra):
+        cfg = load_config("navigation_visual", ["model.path=builtin:tiny-vl", *extra])
+        return cfg, update_activations(cfg, shape["text"], shape["vision"], width=4).total
+
+    cfg, one = activations("train.micro_batch_size=1")
+    length = cfg.rollout.max_trajectory_length
+    assert activations(f"train.micro_batch_tokens={length}")[1] == one  # one trajectory's worth
+    assert activations(f"train.micro_batch_tokens={length // 2}")[1] == one  # a longer one runs alone
+    assert activations(f"train.micro_batch_tokens={3 * length - 1}")[1] == activations("train.micro_batch_size=3")[1]

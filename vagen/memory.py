@@ -409,7 +409,7 @@ def frame_patches(cfg, vision: dict) -> int:
 
 def update_activations(cfg, text: dict, vision: dict, width: int) -> Activations:
     """`activation_bytes` of cfg's update: train.micro_batch_size sequences of rollout.max_trajectory_length
-    tokens; trained positions max_turns x (max_new_tokens + 1) (one turn's with rollout.context=window); the
+    tokens (with train.micro_batch_tokens, as many as that budget holds, rounded up); trained positions max_turns x (max_new_tokens + 1) (one turn's with rollout.context=window); the
     frames of a sequence (max_turns, or window_turns + 1 with rollout.context=window). With rollout.tasks, the
     largest task's."""
     from vagen.config_checks import task_configs
@@ -422,7 +422,10 @@ def update_activations(cfg, text: dict, vision: dict, width: int) -> Activations
         turns = min(ro.max_turns, ro.window_turns + 1) if window else ro.max_turns
         generated = (ro.max_new_tokens + 1) * (1 if window else ro.max_turns)
         trained_tower = cfg.model.lora_rank == 0 or not cfg.model.freeze_vision
-        result = activation_bytes(text, vision, sequences=cfg.train.micro_batch_size, tokens=ro.max_trajectory_length,
+        sequences = cfg.train.micro_batch_size
+        if cfg.train.micro_batch_tokens > 0:  # as many whole trajectories as the budget holds tokens, one at least
+            sequences = max(1, -(-cfg.train.micro_batch_tokens // ro.max_trajectory_length))
+        result = activation_bytes(text, vision, sequences=sequences, tokens=ro.max_trajectory_length,
                                   generated=generated, patches=turns * frame_patches(sub, vision), width=width,
                                   checkpointing=cfg.model.gradient_checkpointing, vision_trained=trained_tower,
                                   attention=cfg.model.attn_implementation)
