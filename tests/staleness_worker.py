@@ -30,7 +30,7 @@ RANK = int(os.environ.get("RANK", "0"))
 real_play = rollout_module.Rollouts.play
 
 
-def synchronous_play(self, decoder, version, drain=False):
+def synchronous_play(self, decoder, version, saves_in=0):
     cfg, share = self.cfg, self.admission.groups_per_rank
     seeds = train_seeds(version, cfg.rollout.env_groups, cfg.train.seed)[self.rank * share : (self.rank + 1) * share]
     episodes, stats = rollout_module.rollout(None, self.game.encoder, cfg, seeds, cfg.rollout.group_size,
@@ -45,9 +45,9 @@ def synchronous_play(self, decoder, version, drain=False):
 
 
 def recording(out: Path):
-    def play(self, decoder, version, drain=False):
-        episodes, stats = real_play(self, decoder, version, drain)
-        line = {"version": version, "drain": drain, "carried": len(self.game.waiting),
+    def play(self, decoder, version, saves_in=0):
+        episodes, stats = real_play(self, decoder, version, saves_in)
+        line = {"version": version, "drain": saves_in == 1, "carried": len(self.game.waiting),
                 "episodes": [{"admission": ep.admission, "versions": [t.version for t in ep.turns]} for ep in episodes]}
         with open(out / f"rank{RANK}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")

@@ -196,8 +196,8 @@ def test_every_estimator_gives_each_turn_sample_what_the_whole_trajectory_gets(t
 
 
 def test_a_mini_batch_takes_every_turn_sample_of_its_trajectories(tiny_text):
+    from vagen.batch_plan import plan_epoch
     from vagen.episode import ChatEncoder
-    from vagen.update import plan_epoch
 
     encoder = ChatEncoder(tiny_text[2])
     fmt = load_config("sokoban_text").env.prompt_format

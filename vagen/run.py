@@ -34,7 +34,7 @@ from vagen.config import Config, to_yaml
 from vagen.distributed import Dist, barrier, broadcast_object, gather_objects
 
 # Metrics that are counts per rank: summed over ranks instead of averaged.
-# Filter metrics are computed over all ranks at once (vagen.update.filter_groups): averaged, not summed.
+# Filter metrics are computed over all ranks at once (vagen.batch_plan.filter_groups): averaged, not summed.
 SUMMED_METRICS = ("rollout/truncated_trajectories", "rollout/generated_tokens", "update/tokens",
                   "rollout/env_errors")
 

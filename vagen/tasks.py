@@ -4,7 +4,7 @@ episodes together, each tagged with its task.
 
 Group ids stay within a task: on a rank, task t's groups are numbered after those of the tasks before it
 (`offset` = the earlier tasks' groups per rank), so a group id names one level of one task, and the
-reward-std filter (`vagen.update.filter_by_task`), GRPO's and GiGPO's groups and advantage whitening
+reward-std filter (`vagen.batch_plan.filter_by_task`), GRPO's and GiGPO's groups and advantage whitening
 (`vagen.update.whiten_by_task`) never mix tasks. Metrics of each task go under `rollout/<task>/...` beside
 the totals (`task_metrics`).
 
@@ -59,13 +59,12 @@ class TaskRollouts:
         pools = [env for pool in self.pools for env in (pool if isinstance(pool, list) else [pool])]
         return pools + ([self.ray] if self.ray is not None else [])
 
-    def play(self, decoder, version: int, drain: bool = False) -> tuple[list[Episode], dict[str, float]]:
-        """Each task's rollout in turn; its episodes' group ids shifted past the earlier tasks' groups (with
-        rollout.max_staleness > 0 a task may end more groups than its share) and `task` set; the rollout's
+    def play(self, decoder, version: int, saves_in: int = 0) -> tuple[list[Episode], dict[str, float]]:
+        """Each task's rollout in turn; its episodes' group ids shifted past the earlier tasks' groups and `task` set; the rollout's
         timing summed and each task's metrics under rollout/<task>/."""
         episodes, stats, offset = [], dict.fromkeys(SUMMED, 0.0), 0
         for name, source in self.parts:
-            played, part = source.play(decoder, version, drain)
+            played, part = source.play(decoder, version, saves_in)
             for ep in played:
                 ep.group_id += offset
                 ep.task = name
@@ -103,6 +102,11 @@ class TaskAdmissions:
         for name, counts in state.get("tasks", {}).items():
             if name in self.parts:
                 self.parts[name].load_state_dict(counts)
+
+    def load_ranks(self, states: list[dict]) -> None:
+        """Each task's counts from a checkpoint of another number of ranks (`Admission.load_ranks`)."""
+        for name, admission in self.parts.items():
+            admission.load_ranks([state.get("tasks", {}).get(name, {}) for state in states])
 
 
 def run_admission(cfg, world_size: int):

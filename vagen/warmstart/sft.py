@@ -97,9 +97,9 @@ def answer_accuracy(model, samples, pad_id: int, device, micro_batch_size: int =
     `whole_response`, every generated token of the turn: `sft/val_response_accuracy`), and the
     mean negative log-likelihood of generated tokens."""
     from vagen import core
+    from vagen.batch_plan import chunks
     from vagen.models import generated_positions
     from vagen.trajectory import collate
-    from vagen.update import chunks
 
     was_training = model.training
     model.eval()
@@ -215,9 +215,9 @@ def train_sft(engine, train_samples, val_samples, cfg, pad_id: int, device, log=
     (or `max_steps` / `time_budget_s` run out). Returns stats; `on_check(step, metrics)` is called at every
     check. With `desc`, a progress bar of that name counts the steps toward `max_steps` (with its ETA).
     With `tasks` (each sample's task index) and `shares` (one per task), batches are drawn by `task_batches`."""
+    from vagen.batch_plan import chunks
     from vagen.console import progress_bar
     from vagen.trajectory import collate
-    from vagen.update import chunks
 
     sft = cfg.sft
     max_steps = sft.max_steps if max_steps is None else max_steps
