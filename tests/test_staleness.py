@@ -437,3 +437,55 @@ def test_carried_turns_keep_the_logprobs_of_the_version_that_sampled_them(tiny_t
             for param in model.parameters():
                 param.add_(0.02 * torch.randn(param.shape, generator=generator))
     assert older > 0  # turns of carried episodes were checked against their own, older version
+
+
+def test_proximal_logprobs_are_annotated_without_dropout(tiny_text):
+    """`vagen.train.prepare` annotates in eval mode: with model.lora_dropout=0.5 (adapters with non-zero weights),
+    two annotations of the same samples give the same proximal log-probs, those of the model in eval mode (in train
+    mode they differed by up to 1.2 nats, noise that entered every decoupled-PPO weight), and the update that
+    follows runs in train mode."""
+    import copy
+    from types import SimpleNamespace
+
+    import torch
+
+    import vagen.train as train
+    from vagen.models.adapters import add_adapters
+    from vagen.trajectory import collate, episode_samples
+    from vagen.update import token_logprobs
+
+    cfg = _config(groups=2)
+    cfg.model.lora_rank, cfg.model.lora_dropout, cfg.algo.adv_estimator = 4, 0.5, "grpo"
+    model = add_adapters(copy.deepcopy(tiny_text[1]), cfg.model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # zero at creation: the adapters would add nothing, dropout or not
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+    encoder = ChatEncoder(tiny_text[2])
+    episodes, _ = rollout(None, encoder, cfg, [5, 6], 2, envs=[Steps() for _ in range(4)], decoder=Answers(encoder))
+
+    class Engine:  # what prepare reads of a DeepSpeed engine: the module, and a forward
+        def __init__(self, module):
+            self.module = module
+
+        def __call__(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    models = SimpleNamespace(actor=Engine(model), critic=None, reference=None, encoder=encoder)
+    dist = SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1)
+    annotated = []
+    for _ in range(2):
+        model.train()  # as the previous update left it
+        samples = [s for i, ep in enumerate(episodes) for s in episode_samples(ep, encoder, model, i)]
+        train.prepare(samples, cfg, dist, models)
+        annotated.append(torch.cat([s.extra["old_logprobs"] for s in samples]))
+    assert torch.equal(annotated[0], annotated[1])
+    sample = samples[0]
+    batch = collate([sample], encoder.pad_id)
+    with torch.no_grad():
+        expected, _ = token_logprobs(model.eval(), batch, cfg.rollout.temperature, with_entropy=False,
+                                     suppress_ids=encoder.suppress_ids)
+    assert torch.allclose(expected[0], sample.extra["old_logprobs"], atol=1e-5)
+    train.set_mode(models, training=True)
+    assert model.training

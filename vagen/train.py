@@ -402,7 +402,9 @@ def prepare(samples: list, cfg, dist, models: Models) -> dict:
     from vagen.update import annotate, compute_advantages
 
     t0 = time.perf_counter()
-    models.actor.module.train()
+    # Eval mode: dropout (model.lora_dropout) would otherwise put noise into the proximal policy's log-probs, and
+    # so into every decoupled-PPO weight and the first PPO ratio, and into the critic's values.
+    set_mode(models, training=False)
     annotate(samples, models.actor, models.critic, models.reference, cfg, models.encoder.pad_id, dist.device,
              suppress_ids=models.encoder.suppress_ids)
     stats = compute_advantages(samples, cfg)
@@ -410,12 +412,20 @@ def prepare(samples: list, cfg, dist, models: Models) -> dict:
     return stats
 
 
+def set_mode(models: Models, training: bool) -> None:
+    """The actor and the critic in train mode (the update) or eval mode (annotation); the reference is always in
+    eval mode."""
+    for engine in (models.actor, models.critic):
+        if engine is not None:
+            engine.module.train(training)
+
+
 def train_on(samples: list, cfg, it: int, dist, models: Models, generator, bad_steps_in_a_row: int) -> dict:
     """The PPO update over prepared samples (the critic alone during `train.critic_warmup`); returns its
     metrics and timing."""
     from vagen.update import ppo_update
 
-    models.actor.module.train()
+    set_mode(models, training=True)
     t0 = time.perf_counter()
     stats = dict(ppo_update(models.actor, models.critic, samples, cfg, models.encoder.pad_id, dist.device,
                             dist.world_size, generator, update_actor=it >= cfg.train.critic_warmup,
