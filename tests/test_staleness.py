@@ -258,7 +258,7 @@ def test_k0_rollouts_play_the_synchronous_runs_groups_in_its_order(tiny_text):
 
 def test_decoupled_ppo_on_a_hand_checked_case():
     """Proximal (old) log-probs from the policy at the update, behaviour ones from the sampler, weights
-    min(p_prox / p_behav, C) with C = 2, the PPO ratio against the proximal policy."""
+    min(p_prox / p_behav, C) with C = 2 (or 0 above C: mask), the PPO ratio against the proximal policy."""
     import math
     from types import SimpleNamespace
 
@@ -286,6 +286,17 @@ def test_decoupled_ppo_on_a_hand_checked_case():
     # token 1: max(-1.2, -clip(1.2) = -1.2) x 2 = -2.4; token 2 (A < 0): max(0.5, 0.8) = 0.8, under the dual clip 3,
     # x 0.8 = 0.64; token 3: -0.5 x 1; token-mean
     assert float(loss) == pytest.approx((-2.4 + 0.64 - 0.5) / 3, abs=1e-6)
+    # algo.rollout_correction_mode=mask (AReaL's behav_imp_weight_cap): the weight above the cap becomes 0, the
+    # token leaves the loss, and the denominator still counts it
+    algo.rollout_correction_mode = "mask"
+    masked = SimpleNamespace(length=3, extra={})
+    metrics = rollout_correction([masked], {"sampled_mask": mask, "old_logprobs": proximal,
+                                            "rollout_logprobs": behaviour}, algo)
+    assert torch.allclose(masked.extra["tis_weights"], torch.tensor([0.0, 0.8, 1.0]))
+    assert metrics["actor/tis_clamped_fraction"] == pytest.approx(1 / 3)
+    loss, _ = core.ppo_policy_loss(current, proximal, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0,
+                                   weights=masked.extra["tis_weights"][None])
+    assert float(loss) == pytest.approx((0.0 + 0.64 - 0.5) / 3, abs=1e-6)
 
 
 class OwnLogprobs:

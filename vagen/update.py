@@ -324,15 +324,18 @@ def gigpo_token_advantages(samples: list[Trajectory], batch: dict[str, torch.Ten
 def rollout_correction(samples: list[Sample], batch: dict[str, torch.Tensor], algo) -> dict[str, float]:
     """The gap between the engine that sampled (vLLM) and the trainer over the sampled tokens, as
     `rollout/inference_logprob_gap` (mean |difference|) and `_max`; with `algo.rollout_correction=tis`
-    each sample's `tis_weights`: min(p_trainer / p_engine, `algo.rollout_correction_cap`) per sampled
-    token, the truncated importance weight its policy loss is multiplied by, and `actor/tis_clamped_fraction`,
-    the share of sampled tokens whose weight the cap bound. Old log-probs stay the trainer's, as in verl.
+    each sample's `tis_weights`, the importance weight w = p_trainer / p_engine per sampled token that its
+    policy loss is multiplied by, above the cap C = `algo.rollout_correction_cap` clamped to C
+    (`algo.rollout_correction_mode=clamp`, truncated importance sampling as in verl) or set to 0, the token left
+    out of the loss (`mask`, AReaL's decoupled PPO: its `behav_imp_weight_cap`; the loss's denominator still
+    counts the token), and `actor/tis_clamped_fraction`, the share of sampled tokens whose weight exceeded the
+    cap. Old log-probs stay the trainer's, as in verl.
 
     This is AReaL's decoupled PPO objective, which `rollout.max_staleness` > 0 needs: the old log-probs are
     computed at the update, by the policy being updated (the proximal policy: the PPO ratio and its clip are
     taken against it), and the engine's are those of the policy that sampled each turn, possibly k updates
     older (the behaviour policy), so the weight corrects for the staleness and for the engines' gap at
-    once. At k = 0, with an engine that computes the trainer's own log-probabilities, every weight is 1."""
+    once. AReaL masks above the cap by default; vagen's default, clamp, keeps those tokens at weight C. At k = 0, with an engine that computes the trainer's own log-probabilities, every weight is 1."""
     mask = batch["sampled_mask"] > 0
     diff = (batch["old_logprobs"] - batch["rollout_logprobs"])[mask]
     metrics = {"rollout/inference_logprob_gap": float(diff.abs().mean()) if diff.numel() else 0.0,
@@ -340,7 +343,13 @@ def rollout_correction(samples: list[Sample], batch: dict[str, torch.Tensor], al
     if algo.rollout_correction == "tis":
         weights = torch.exp((batch["old_logprobs"] - batch["rollout_logprobs"]).clamp(max=20.0))
         clamped = (weights > algo.rollout_correction_cap) & mask
-        weights = weights.clamp(max=algo.rollout_correction_cap) * mask
+        if algo.rollout_correction_mode == "mask":
+            weights = torch.where(clamped, torch.zeros_like(weights), weights) * mask
+        elif algo.rollout_correction_mode == "clamp":
+            weights = weights.clamp(max=algo.rollout_correction_cap) * mask
+        else:
+            raise ValueError(f"unknown algo.rollout_correction_mode {algo.rollout_correction_mode!r}; choices: "
+                             f"clamp, mask")
         for row, sample in enumerate(samples):
             sample.extra["tis_weights"] = weights[row, : sample.length]
         metrics["actor/tis_weight_mean"] = float(weights[mask].mean()) if mask.any() else 1.0
