@@ -178,6 +178,57 @@ def test_k0_trains_bit_for_bit_as_the_synchronous_run(warm_start, tmp_path):
     _same_weights(tmp_path / "k0" / "checkpoints" / "step_4", tmp_path / "synchronous" / "checkpoints" / "step_4")
 
 
+def test_every_iteration_trains_the_configured_groups_in_the_same_optimizer_steps_at_every_k(warm_start, tmp_path):
+    """The run without rollout.max_staleness, and at k = 1 and k = 2 (3 iterations, episodes of 1 to 5 turns):
+    every update filters and trains rollout.env_groups = 2 groups, in as many optimizer steps as without the key,
+    while at k > 0 episodes wait for the next weights and no trained turn is more than k updates old."""
+    run = ["sokoban_visual", f"model.path={warm_start}", *SMALL, "rollout.max_turns=5", "train.seed=1",
+           "train.iterations=3"]
+    records = {}
+    for k in (0, 1, 2):
+        stale = [f"rollout.max_staleness={k}", "algo.rollout_correction=tis"] if k else []
+        _succeeded(_train(tmp_path, f"k{k}", *run, *stale))
+        records[k] = _record(tmp_path / f"k{k}")
+    steps = [r["update/optimizer_steps"] for r in records[0]]
+    assert steps[0] >= 1
+    for k, rows in records.items():
+        assert [r["iteration"] for r in rows] == [0, 1, 2]
+        assert [r["rollout/filter_total_groups"] for r in rows] == [2.0] * 3
+        assert [r["update/optimizer_steps"] for r in rows] == steps
+        assert all(r["rollout/staleness_max"] <= k for r in rows)
+        assert (sum(r["rollout/carried_episodes"] for r in rows) > 0) == (k > 0)
+
+
+def test_a_checkpoint_forced_by_failing_steps_at_k1_resumes_carrying_episodes(warm_start, tmp_path):
+    """k = 1, every step of iteration 1 fails (train.max_bad_steps=1): the run stops with a checkpoint forced while
+    groups were in flight. Resumed (train.resume=auto), it admits (k + 1) x 2 groups again, after the last one the
+    first run admitted, and carries episodes over updates; before, the groups in flight stayed counted for good
+    and the resumed run was synchronous without a word."""
+    run = ["sokoban_visual", f"model.path={warm_start}", *SMALL, "algo.rollout_correction=tis",
+           "rollout.max_staleness=1", "rollout.max_turns=5", "train.seed=0", "train.iterations=5",
+           "train.max_bad_steps=1"]
+    for folder in ("first", "resumed"):
+        (tmp_path / folder).mkdir()
+    stopped = _train(tmp_path, "forced", *run, worker=("--record", str(tmp_path / "first"), "--nan-from", "1"))
+    assert stopped.returncode == 1, stopped.stdout[-3000:] + stopped.stderr[-5000:]
+    checkpoints = tmp_path / "forced" / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step_2"
+    first = _rollouts(tmp_path / "first")
+    saved = json.loads((checkpoints / "step_2" / "trainer_state.json").read_text())["admission"]["ranks"][0]
+    assert saved["started"] > saved["ended"] == 4  # groups were in flight when it was saved, 2 trained per update
+    resumed = _train(tmp_path, "forced", *run, "train.resume=auto", worker=("--record", str(tmp_path / "resumed")))
+    _succeeded(resumed)
+    assert "resuming from" in resumed.stdout
+    records = _record(tmp_path / "forced")
+    assert [r["iteration"] for r in records] == [0, 1, 2, 3, 4]
+    later = _rollouts(tmp_path / "resumed")
+    # the resumed run trains groups admitted after every one the first run had started (their levels are skipped)
+    assert [ep["admission"] for ep in later[0]["episodes"]] == [n for n in range(saved["started"], saved["started"] + 2)
+                                                                for _ in range(2)], (saved, first, later[0])
+    assert any(r["rollout/carried_episodes"] > 0 for r in records[2:])  # k = 1 intact after the resumption
+    assert all(r["rollout/filter_total_groups"] == 2 for r in records)
+
+
 @pytest.mark.slow
 def test_zero3_ranks_one_carrying_nothing_one_carrying_long_episodes_do_not_deadlock(tmp_path):
     """k = 2 over two gloo ranks under ZeRO-3 (sokoban_text's warm start, 2 groups of 2 per rank and update):
