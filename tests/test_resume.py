@@ -177,6 +177,27 @@ def test_resume_auto_without_a_run_name_takes_the_newest_run_the_config_named(tm
         capsys.readouterr().out
 
 
+def test_a_conversion_estimated_to_outlast_the_ranks_wait_is_refused_naming_the_setting(tmp_path):
+    """3 GB of engine states (a sparse file) at the measured 40 MB/s: 75 s, more than train.dist_timeout_minutes=1
+    that the other rank waits for rank 0's conversion. Refused with the setting to raise; at 2 minutes, or on one
+    rank (nobody waits), it goes on."""
+    from vagen.run import check_conversion_time, conversion_seconds
+
+    ckpt = _checkpoint(tmp_path / "run", 2, ranks=2, zero_stage=3)
+    with open(ckpt / "deepspeed" / "actor" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", "wb") as states:
+        states.truncate(3 * 10**9)
+    assert conversion_seconds(ckpt) == pytest.approx(75.0, rel=1e-3)
+    cfg = load_config("sokoban_text", ["train.deepspeed_config=deepspeed/zero3_fp32.json", "train.dist_timeout_minutes=1"])
+    with pytest.raises(ResumeError) as err:
+        check_conversion_time(ckpt, cfg, 2)
+    assert ("3.0 GB of engine states to a universal checkpoint (it was saved on another number of ranks) is estimated "
+            "at 1.2 minutes") in str(err.value)
+    assert "train.dist_timeout_minutes=1; set train.dist_timeout_minutes=4 for this resume" in str(err.value)
+    check_conversion_time(ckpt, cfg, 1)
+    cfg.train.dist_timeout_minutes = 2
+    check_conversion_time(ckpt, cfg, 2)
+
+
 def test_zero_1_to_3_states_on_another_rank_count_are_converted_and_another_stage_is_refused(tmp_path, capsys):
     zero3 = ["train.deepspeed_config=deepspeed/zero3_fp32.json"]
     cfg = load_config("sokoban_text", zero3)
