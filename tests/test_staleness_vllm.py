@@ -232,8 +232,8 @@ def test_a_checkpoint_forced_by_failing_steps_at_k1_resumes_carrying_episodes(wa
 @pytest.mark.slow
 def test_zero3_ranks_one_carrying_nothing_one_carrying_long_episodes_do_not_deadlock(tmp_path):
     """k = 2 over two gloo ranks under ZeRO-3 (sokoban_text's warm start, 2 groups of 2 per rank and update):
-    every episode of rank 0 ends after its first turn, so it never holds one back and trains every group it
-    admitted at once; on rank 1 the groups played in the first 2 groups' slots end so too, and the others run to
+    every episode of rank 0 ends after its first turn, so it never holds one back between turns, and its groups
+    that ended beyond the 2 due wait, ended, for their update; on rank 1 the groups played in the first 2 groups' slots end so too, and the others run to
     the turn limit, waiting across updates. The ranks meet at every collective (the carried count, the group plan
     and the moves that even out the groups, the annotation, the update, the weight sync) whatever each played,
     and the turns of the long episodes are trained 2 updates late at most."""
@@ -250,8 +250,8 @@ def test_zero3_ranks_one_carrying_nothing_one_carrying_long_episodes_do_not_dead
     short, long = _rollouts(tmp_path, 0), _rollouts(tmp_path, 1)
     assert [r["version"] for r in short] == [r["version"] for r in long] == [0, 1, 2]
     assert all(r["carried"] == 0 for r in short)
-    assert all(ep["versions"] == [r["version"]] for r in short for ep in r["episodes"])
-    assert len(short[0]["episodes"]) == 3 * 2 * 2  # every group admitted before the first update: (k + 1) x 2
+    assert all(r["version"] - 2 <= v <= r["version"] for r in short for ep in r["episodes"] for v in ep["versions"])
+    assert [len(r["episodes"]) for r in short] == [2 * 2] * 3  # 2 groups per update, though all 6 ended at once
     # rank 1 closed its first rollout on the 2 short groups, with the 4 long ones unfinished
     assert long[0]["carried"] == 4 * 2 and len(long[0]["episodes"]) == 2 * 2
     lengths = {len(ep["versions"]) for r in long for ep in r["episodes"]}
