@@ -134,10 +134,12 @@ def test_episodes_carried_over_updates_are_at_most_k_updates_old(tmp_path):
                      "algo.rollout_correction=tis", "rollout.max_staleness=1", "train.iterations=3", "train.seed=3",
                      "rollout.group_size=2", "rollout.max_turns=5", "eval.every=0", "log.progress=false")
     assert [r["iteration"] for r in records] == [0, 1, 2]
-    assert records[0]["rollout/carried_episodes"] > 0 and records[0]["rollout/staleness_max"] == 0
-    # the carried episodes are trained at the next update, one version old at most
-    assert records[1]["rollout/staleness_max"] == 1 and records[1]["rollout/cross_version_episodes"] > 0
-    assert 0 < records[1]["rollout/staleness_mean"] < 1
+    assert records[0]["rollout/staleness_max"] == 0
+    # the 4 groups admitted beside the first 4 are trained at the next update, one version old at most: carried
+    # mid-way, or, where they had ended with the first ones, their successors wait for the next weights
+    assert records[1]["rollout/staleness_max"] == 1 and 0 < records[1]["rollout/staleness_mean"] <= 1
+    assert records[0]["rollout/carried_episodes"] + records[1]["rollout/carried_episodes"] > 0
+    assert (records[0]["rollout/carried_episodes"] > 0) == (records[1]["rollout/cross_version_episodes"] > 0)
     assert all(r["rollout/staleness_max"] <= 1 for r in records)
     assert records[2]["rollout/carried_episodes"] == 0  # drained before the checkpoint at the end
     assert all(r["rollout/filter_total_groups"] == 4 for r in records)
