@@ -31,7 +31,7 @@ from dataclasses import dataclass
 @dataclass
 class Admission:
     """One rank's admission of level groups. `started`: the groups admitted so far, which is also the number
-    of the next one; `ended`: those that have ended (trained or filtered out)."""
+    of the next one; `ended`: those an update has taken (trained, or filtered out)."""
 
     groups_per_rank: int
     max_staleness: int = 0
