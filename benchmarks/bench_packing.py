@@ -95,10 +95,11 @@ def trajectories(model, processor, config: str, max_turns: int, budget: int, cou
 def worker(model_path: str, config: str, max_turns: int, budget: int, count: int, overrides: list[str]) -> dict:
     import torch
 
+    from vagen.batch_plan import micro_batch_tokens, micro_batches
     from vagen.config import load_config
     from vagen.models import load_policy
     from vagen.trajectory import collate
-    from vagen.update import micro_batch_tokens, micro_batches, token_logprobs
+    from vagen.update import token_logprobs
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -106,7 +107,7 @@ def worker(model_path: str, config: str, max_turns: int, budget: int, count: int
     model.train()
     samples, pad_id, _ = trajectories(model, processor, config, max_turns, budget, count)
     train = load_config(config, overrides).train
-    plan = micro_batches(samples, list(range(len(samples))), train)
+    plan = micro_batches(list(range(len(samples))), samples, train)
 
     def one_pass():
         for indices in plan:

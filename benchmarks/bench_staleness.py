@@ -96,12 +96,12 @@ def instrument(iterations: list[dict]) -> None:
         counts["requests"] += 1
         return add_request(engine, *args, **kwargs)
 
-    def measured_play(rollouts, decoder, version, drain=False):
+    def measured_play(rollouts, decoder, version, saves_in=0):
         before = dict(counts)
         t0 = time.perf_counter()
-        episodes, stats = play(rollouts, decoder, version, drain)
+        episodes, stats = play(rollouts, decoder, version, saves_in)
         record = {key: counts[key] - before[key] for key in counts}
-        record.update(iteration=version, rollout_s=time.perf_counter() - t0, drain=drain,
+        record.update(iteration=version, rollout_s=time.perf_counter() - t0, drain=saves_in == 1,
                       episodes=len(episodes), turns=sum(len(ep.turns) for ep in episodes))
         iterations.append(record)
         return episodes, stats

@@ -36,12 +36,13 @@ import torch  # noqa: E402
 from hf_generate import batch_generation_inputs  # noqa: E402
 
 from vagen import core  # noqa: E402
+from vagen.batch_plan import chunks  # noqa: E402
 from vagen.config import load_config  # noqa: E402
 from vagen.episode import ChatEncoder, train_seeds  # noqa: E402
 from vagen.models import base_checkpoint, load_policy  # noqa: E402
 from vagen.rollout import make_decoder, rollout  # noqa: E402
 from vagen.trajectory import collate, episode_to_sample, model_inputs  # noqa: E402
-from vagen.update import annotate, chunks, compute_advantages, ppo_update  # noqa: E402
+from vagen.update import annotate, compute_advantages, ppo_update  # noqa: E402
 
 
 def measure_rollout(model, encoder, cfg, seeds, group_size):

@@ -13,11 +13,12 @@ from child_env import worker_args  # noqa: E402
 from ppo_reference import ADVANTAGES, ANSWERS, overrides, sgd_engine  # noqa: E402
 from update_fixtures import answer_samples  # noqa: E402
 
+from vagen.batch_plan import filter_groups  # noqa: E402
 from vagen.config import load_config  # noqa: E402
 from vagen.distributed import init_distributed  # noqa: E402
 from vagen.episode import ChatEncoder  # noqa: E402
 from vagen.models import load_policy, resolve_model_path  # noqa: E402
-from vagen.update import annotate, filter_groups, ppo_update  # noqa: E402
+from vagen.update import annotate, ppo_update  # noqa: E402
 
 # Global mini-batches are {0..7} and {8..11} either way: with mini-batches of 8 over 2 ranks, each rank
 # cuts its share into mini-batches of 4, and mini-batch m is the union of the ranks' m-th.

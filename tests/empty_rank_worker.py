@@ -5,8 +5,8 @@ import sys
 
 import torch
 
+from vagen.batch_plan import plan_groups
 from vagen.config import load_config
-from vagen.update import plan_groups
 
 
 def main() -> None:

@@ -5,6 +5,8 @@
   played before, the episodes it left waiting for the next weights on this rank, and each episode's group
   number (admission order) and the version of each of its turns;
 - `--kill-in-update N`: SIGKILL in the update of iteration N (0-based);
+- `--nan-from N`: from the update of iteration N (0-based) on, every policy loss is NaN, so that every optimizer
+  step is skipped (with train.max_bad_steps=1 the run stops there, with a checkpoint forced);
 - `--synchronous`: each rollout played as training played it before rollout.max_staleness existed:
   `vagen.rollout.rollout` over the iteration's share of level seeds, with the iteration's request seed, on
   the run's environments; no turn of it was carried, and every turn was the iteration's own version (each says
@@ -30,7 +32,7 @@ RANK = int(os.environ.get("RANK", "0"))
 real_play = rollout_module.Rollouts.play
 
 
-def synchronous_play(self, decoder, version, drain=False):
+def synchronous_play(self, decoder, version, saves_in=0):
     cfg, share = self.cfg, self.admission.groups_per_rank
     seeds = train_seeds(version, cfg.rollout.env_groups, cfg.train.seed)[self.rank * share : (self.rank + 1) * share]
     episodes, stats = rollout_module.rollout(None, self.game.encoder, cfg, seeds, cfg.rollout.group_size,
@@ -45,9 +47,9 @@ def synchronous_play(self, decoder, version, drain=False):
 
 
 def recording(out: Path):
-    def play(self, decoder, version, drain=False):
-        episodes, stats = real_play(self, decoder, version, drain)
-        line = {"version": version, "drain": drain, "carried": len(self.game.waiting),
+    def play(self, decoder, version, saves_in=0):
+        episodes, stats = real_play(self, decoder, version, saves_in)
+        line = {"version": version, "drain": saves_in == 1, "carried": len(self.game.waiting),
                 "episodes": [{"admission": ep.admission, "versions": [t.version for t in ep.turns]} for ep in episodes]}
         with open(out / f"rank{RANK}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
@@ -81,10 +83,27 @@ def kill_in_update(n: int):
     vagen.update.ppo_update = ppo_update
 
 
+def nan_from(n: int):
+    import vagen.core
+
+    real_loss, real_update, calls = vagen.core.ppo_policy_loss, vagen.update.ppo_update, []
+
+    def ppo_update(*a, **k):
+        calls.append(1)
+        return real_update(*a, **k)
+
+    def ppo_policy_loss(*a, **k):
+        loss, metrics = real_loss(*a, **k)
+        return (loss * float("nan") if len(calls) > n else loss), metrics
+
+    vagen.update.ppo_update, vagen.update.core.ppo_policy_loss = ppo_update, ppo_policy_loss
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--record", type=Path, default=None)
     parser.add_argument("--kill-in-update", type=int, default=None)
+    parser.add_argument("--nan-from", type=int, default=None)
     parser.add_argument("--synchronous", action="store_true")
     parser.add_argument("--long-rank", type=int, default=None)
     parser.add_argument("--short-slots", type=int, default=0)
@@ -103,4 +122,6 @@ if __name__ == "__main__":
         rollout_module.make_env = make_env
     if args.kill_in_update is not None:
         kill_in_update(args.kill_in_update)
+    if args.nan_from is not None:
+        nan_from(args.nan_from)
     sys.exit(leave_process_group(main(rest)))

@@ -16,9 +16,9 @@ if __name__ == "__main__":
     args, rest = parser.parse_known_args()
     real_play = vagen.tasks.TaskRollouts.play
 
-    def play(self, decoder, version, drain=False):
-        episodes, stats = real_play(self, decoder, version, drain)
-        record = {"version": version, "drain": drain,
+    def play(self, decoder, version, saves_in=0):
+        episodes, stats = real_play(self, decoder, version, saves_in)
+        record = {"version": version, "drain": saves_in == 1,
                   "episodes": [{"task": ep.task, "group_id": ep.group_id, "admission": ep.admission,
                                 "versions": [t.version for t in ep.turns]} for ep in episodes],
                   "tasks": {name: {"started": part.admission.started, "in_flight": sorted(part.game.groups),

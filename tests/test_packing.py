@@ -11,13 +11,14 @@ import pytest
 import torch
 from update_fixtures import answer_samples
 
+from vagen.batch_plan import micro_batch_tokens, micro_batches
 from vagen.config import ChecksFailed, check_config, load_config, machine_problems
 from vagen.episode import ChatEncoder
 from vagen.models.families import FAMILIES
 from vagen.models.forward import forward_packed, pack_inputs
 from vagen.preflight import UNPACKED_MODEL_TYPES
 from vagen.trajectory import collate, model_inputs
-from vagen.update import annotate, micro_batch_tokens, micro_batches, ppo_update, token_logprobs
+from vagen.update import annotate, ppo_update, token_logprobs
 
 
 @pytest.fixture
@@ -52,16 +53,16 @@ def test_micro_batches_are_cut_by_count_or_by_a_token_budget():
     samples = [Sized(n) for n in (100, 300, 50, 700, 200, 200)]
     indices = list(range(6))
     train = load_config("sokoban_visual", ["train.micro_batch_size=4"]).train
-    assert micro_batches(samples, indices, train) == [[0, 1, 2, 3], [4, 5]]
+    assert micro_batches(indices, samples, train) == [[0, 1, 2, 3], [4, 5]]
     # padded: rows x the widest row; [0, 1] costs 600, adding 2 costs 900
     train = load_config("sokoban_visual", ["train.micro_batch_tokens=900"]).train
-    assert micro_batches(samples, indices, train) == [[0, 1, 2], [3], [4, 5]]
+    assert micro_batches(indices, samples, train) == [[0, 1, 2], [3], [4, 5]]
     assert micro_batch_tokens([100, 300, 50], packed=False) == 900
     # packed: the sum of lengths; 700 > 600 runs alone, longer than the budget
     train = load_config("sokoban_visual", ["train.micro_batch_tokens=600", "train.pack_sequences=true"]).train
-    assert micro_batches(samples, indices, train) == [[0, 1, 2], [3], [4, 5]]
+    assert micro_batches(indices, samples, train) == [[0, 1, 2], [3], [4, 5]]
     assert micro_batch_tokens([100, 300, 50], packed=True) == 450
-    assert micro_batches(samples, [], train) == []
+    assert micro_batches([], samples, train) == []
     with pytest.raises(ValueError, match=r"train.micro_batch_tokens=-1 must be >= 0"):
         load_config("sokoban_visual", ["train.micro_batch_tokens=-1"])
 
@@ -106,7 +107,7 @@ def test_token_budgeted_and_packed_updates_equal_a_plain_update_of_whole_minibat
     cfg = load_config("bandit_text", overrides(mini=8, micro=4) + extra)
     reference = copy.deepcopy(model)
     samples = answer_samples(encoder, ANSWERS, ADVANTAGES)
-    cuts = [micro_batches(samples, list(range(8)), cfg.train), micro_batches(samples, list(range(8, 12)), cfg.train)]
+    cuts = [micro_batches(list(range(8)), samples, cfg.train), micro_batches(list(range(8, 12)), samples, cfg.train)]
     # the budget cuts the mini-batches into micro-batches of unequal counts, none of them the whole
     assert len({len(m) for part in cuts for m in part}) > 1 and all(len(part) > 1 for part in cuts), cuts
     engine = sgd_engine(model, cfg, distributed)

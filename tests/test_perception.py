@@ -19,6 +19,16 @@ from vagen.warmstart.perception import (
 )
 
 
+def patch_loop(monkeypatch, name: str, value) -> None:
+    """Replace `name` of the supervised loop (`vagen.warmstart.loop`) where the build and its stages look it up."""
+    from vagen.warmstart import loop
+
+    monkeypatch.setattr(loop, name, value)
+    if hasattr(sft, name):
+        monkeypatch.setattr(sft, name, value)
+
+
+
 def test_single_cell_objects_are_the_player_and_lone_boxes_and_targets():
     state = {"size": (6, 6), "player": (2, 3), "boxes": [(3, 3)], "targets": [(4, 1)], "walls": [(0, 0), (0, 1)]}
     assert single_cell_objects(state) == {"the player": (2, 3), "the box": (3, 3), "the target": (4, 1)}
@@ -141,7 +151,7 @@ def test_a_sokoban_build_runs_perception_demonstrations_and_cell_questions_in_or
 
 def test_the_perception_stage_ends_once_the_model_reads_the_frames_and_warns_if_it_never_does(tmp_path, model_cache, distributed, monkeypatch):
     # held-out accuracy at the target ends the stage at the first check, not at sft.perception_steps
-    monkeypatch.setattr(sft, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": sft.PERCEPTION_TARGET,
+    patch_loop(monkeypatch, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": sft.PERCEPTION_TARGET,
                                                                 "sft/val_nll": 0.1})
     cfg = load_config("sokoban_visual", ["sft.perception_batch_size=8", "sft.check_every=3",
                                          "sft.perception_steps=30", "sft.perception_levels=16"])
@@ -153,7 +163,7 @@ def test_the_perception_stage_ends_once_the_model_reads_the_frames_and_warns_if_
     assert stats["sft/perception_steps"] == 3 and stats["sft/perception_accuracy"] == sft.PERCEPTION_TARGET
     assert not any(line.startswith("warning") for line in said)
     # a stage that never beats the most common answer says so
-    monkeypatch.setattr(sft, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": 0.3, "sft/val_nll": 0.2})
+    patch_loop(monkeypatch, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": 0.3, "sft/val_nll": 0.2})
     said.clear()
     stats = sft.perception_stage(model, ChatEncoder(processor), cfg, distributed, log=said.append)
     assert stats["sft/perception_steps"] == 30

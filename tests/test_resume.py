@@ -177,6 +177,27 @@ def test_resume_auto_without_a_run_name_takes_the_newest_run_the_config_named(tm
         capsys.readouterr().out
 
 
+def test_a_conversion_estimated_to_outlast_the_ranks_wait_is_refused_naming_the_setting(tmp_path):
+    """3 GB of engine states (a sparse file) at the measured 40 MB/s: 75 s, more than train.dist_timeout_minutes=1
+    that the other rank waits for rank 0's conversion. Refused with the setting to raise; at 2 minutes, or on one
+    rank (nobody waits), it goes on."""
+    from vagen.run import check_conversion_time, conversion_seconds
+
+    ckpt = _checkpoint(tmp_path / "run", 2, ranks=2, zero_stage=3)
+    with open(ckpt / "deepspeed" / "actor" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", "wb") as states:
+        states.truncate(3 * 10**9)
+    assert conversion_seconds(ckpt) == pytest.approx(75.0, rel=1e-3)
+    cfg = load_config("sokoban_text", ["train.deepspeed_config=deepspeed/zero3_fp32.json", "train.dist_timeout_minutes=1"])
+    with pytest.raises(ResumeError) as err:
+        check_conversion_time(ckpt, cfg, 2)
+    assert ("3.0 GB of engine states to a universal checkpoint (it was saved on another number of ranks) is estimated "
+            "at 1.2 minutes") in str(err.value)
+    assert "train.dist_timeout_minutes=1; set train.dist_timeout_minutes=4 for this resume" in str(err.value)
+    check_conversion_time(ckpt, cfg, 1)
+    cfg.train.dist_timeout_minutes = 2
+    check_conversion_time(ckpt, cfg, 2)
+
+
 def test_zero_1_to_3_states_on_another_rank_count_are_converted_and_another_stage_is_refused(tmp_path, capsys):
     zero3 = ["train.deepspeed_config=deepspeed/zero3_fp32.json"]
     cfg = load_config("sokoban_text", zero3)
@@ -273,12 +294,13 @@ def test_zero0_resumes_on_another_rank_count_with_its_optimizer_state_and_zero3_
 RESUME_WORKER = Path(__file__).parent / "resume_worker.py"
 
 
-def _hop(ranks: int, tmp_path, model_cache, stage_args, iterations: int):
+def _hop(ranks: int, tmp_path, model_cache, stage_args, iterations: int, worker: tuple = ()):
     """`iterations` in all of the run "hop" on `ranks` gloo ranks (resumed when it has a checkpoint), through
-    tests/resume_worker.py, which writes the actor's whole optimizer states under tmp_path/dumps."""
+    tests/resume_worker.py (`worker`: its options), which writes the actor's whole optimizer states under
+    tmp_path/dumps."""
     dumps = tmp_path / "dumps"
     dumps.mkdir(exist_ok=True)
-    args = [f"--dump={dumps}", *SMALL, f"train.run_dir={tmp_path}", "train.run_name=hop",
+    args = [f"--dump={dumps}", *worker, *SMALL, f"train.run_dir={tmp_path}", "train.run_name=hop",
             f"model.builtin_cache={model_cache}", f"train.iterations={iterations}", "train.resume=auto", *stage_args]
     if ranks == 1:
         cmd = [sys.executable, str(RESUME_WORKER), *args]
@@ -321,12 +343,12 @@ def _assert_same_states(saved: dict, resumed: dict) -> None:
     assert any(s["exp_avg"].abs().sum() > 0 for s in saved.values())  # the moments are not a fresh optimizer's
 
 
-def _resume_on_other_rank_counts(tmp_path, model_cache, stage_args, hops):
+def _resume_on_other_rank_counts(tmp_path, model_cache, stage_args, hops, worker: tuple = ()):
     """`hops` (rank counts), one iteration each: every resumed run starts from exactly the fp32 weights and
     AdamW moments that were saved, and the step counts and metrics carry on."""
     checkpoints = tmp_path / "hop" / "checkpoints"
     for it, ranks in enumerate(hops, start=1):
-        done = _hop(ranks, tmp_path, model_cache, stage_args, it)
+        done = _hop(ranks, tmp_path, model_cache, stage_args, it, worker)
         if it > 1:
             saved_on = hops[it - 2]
             assert (f"train.resume: step_{it - 1} was saved on {saved_on} rank(s) with ZeRO-"
@@ -349,6 +371,18 @@ ZERO2 = ["train.deepspeed_config=deepspeed/zero2_bf16.json", "model.dtype=bfloat
 
 def test_zero3_saved_on_one_rank_resumes_on_two_with_its_optimizer_state(tmp_path, tiny_text, model_cache):
     _resume_on_other_rank_counts(tmp_path, model_cache, ZERO3, (1, 2))
+
+
+@pytest.mark.slow
+def test_a_critic_saved_on_one_rank_resumes_on_two_with_its_optimizer_state(tmp_path, tiny_text, model_cache):
+    """GAE, so a critic beside the actor, under ZeRO-3: saved on 1 rank and resumed on 2 through the universal
+    checkpoint (`vagen.run.to_universal` converts critic/ too), the critic starts from exactly the fp32 weights and
+    AdamW moments that were saved, as the actor does."""
+    _resume_on_other_rank_counts(tmp_path, model_cache, [*ZERO3, "algo.adv_estimator=gae"], (1, 2),
+                                 worker=("--reward-bonus", "1.0"))
+    dumps = tmp_path / "dumps"
+    _assert_same_states(torch.load(dumps / "saved_critic_step_1.pt"), torch.load(dumps / "resumed_critic_step_1.pt"))
+    assert (tmp_path / "hop" / "checkpoints" / "step_2" / "critic").is_dir()
 
 
 @pytest.mark.slow

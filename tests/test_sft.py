@@ -13,6 +13,15 @@ SMALL = ["sft.demos=48", "sft.val_demos=8", "sft.exclude_eval=16", "sft.batch_si
          "sft.lr=3e-3", "sft.warmup_steps=0", "sft.check_every=10", "sft.min_steps=0", "rollout.max_turns=2",
          "sft.cell_questions=0"]
 
+def patch_loop(monkeypatch, name: str, value) -> None:
+    """Replace `name` of the supervised loop (`vagen.warmstart.loop`) where the build and its stages look it up."""
+    from vagen.warmstart import loop
+
+    monkeypatch.setattr(loop, name, value)
+    if hasattr(sft, name):
+        monkeypatch.setattr(sft, name, value)
+
+
 
 def test_sft_on_demonstrations_teaches_the_format(model_cache, distributed):
     torch.manual_seed(0)
@@ -158,8 +167,8 @@ def test_early_stopping_waits_for_min_steps(monkeypatch, accuracy, min_steps, pa
 
     cfg = load_config("frozenlake_text", SMALL + ["sft.max_steps=100", f"sft.min_steps={min_steps}",
                                                   f"sft.patience={patience}"])
-    monkeypatch.setattr(sft, "nll_loss", lambda engine, batch, device: torch.tensor(0.5))
-    monkeypatch.setattr(sft, "answer_accuracy",
+    patch_loop(monkeypatch, "nll_loss", lambda engine, batch, device: torch.tensor(0.5))
+    patch_loop(monkeypatch, "answer_accuracy",
                         lambda *a, **k: {"sft/val_answer_accuracy": accuracy, "sft/val_nll": 0.1})
     monkeypatch.setattr("vagen.trajectory.collate", lambda group, pad_id: group)
     engine = types.SimpleNamespace(module=torch.nn.Linear(1, 1), backward=lambda loss: None, step=lambda: None)
@@ -187,7 +196,7 @@ def test_other_frames_come_from_another_level_with_the_same_image_grids():
 
 
 def test_a_warm_start_that_does_not_read_the_frame_is_reported(monkeypatch):
-    monkeypatch.setattr(sft, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": 0.55})
+    patch_loop(monkeypatch, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": 0.55})
     said = []
     stats = sft.frame_dependence(None, [_sample(0, [[1, 4, 4]])], 0.56, 0, "cpu", 8, log=said.append)
     assert stats == {"sft/val_answer_accuracy": 0.56, "sft/val_answer_accuracy_other_frames": 0.55}
@@ -214,7 +223,7 @@ def test_path_reasoning_is_checked_on_every_generated_token(monkeypatch):
         logits[:, 0] = torch.nn.functional.one_hot(torch.tensor(0), 10).float()
         return logits, targets, batch["loss_mask"][:, wanted + 1]
 
-    monkeypatch.setattr(sft, "masked_logits", right_but_the_reasoning)
+    patch_loop(monkeypatch, "masked_logits", right_but_the_reasoning)
     model = torch.nn.Linear(1, 1)
     assert sft.answer_accuracy(model, [sample], 0, "cpu")["sft/val_answer_accuracy"] == 1.0
     assert sft.answer_accuracy(model, [sample], 0, "cpu", whole_response=True)["sft/val_response_accuracy"] == 0.0
@@ -225,7 +234,7 @@ def test_path_reasoning_is_checked_on_every_generated_token(monkeypatch):
         assert whole_response
         return {"sft/val_response_accuracy": 0.9 if float(samples[0].pixel_values[0, 0]) == 0.0 else 0.5}
 
-    monkeypatch.setattr(sft, "answer_accuracy", by_frames)
+    patch_loop(monkeypatch, "answer_accuracy", by_frames)
     said = []
     stats = sft.frame_dependence(None, [own, other], 1.0, 0, "cpu", 8, log=said.append, whole_response=True)
     assert stats == {"sft/val_response_accuracy": 0.9, "sft/val_response_accuracy_other_frames": 0.5} and not said
@@ -235,8 +244,8 @@ def test_a_named_stage_shows_its_steps_out_of_the_total(monkeypatch, capsys):
     import types
 
     cfg = load_config("frozenlake_text", SMALL + ["sft.max_steps=30", "sft.min_steps=0", "sft.patience=1"])
-    monkeypatch.setattr(sft, "nll_loss", lambda engine, batch, device: torch.tensor(0.5))
-    monkeypatch.setattr(sft, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": 0.5, "sft/val_nll": 0.1})
+    patch_loop(monkeypatch, "nll_loss", lambda engine, batch, device: torch.tensor(0.5))
+    patch_loop(monkeypatch, "answer_accuracy", lambda *a, **k: {"sft/val_answer_accuracy": 0.5, "sft/val_nll": 0.1})
     monkeypatch.setattr("vagen.trajectory.collate", lambda group, pad_id: group)
     engine = types.SimpleNamespace(module=torch.nn.Linear(1, 1), backward=lambda loss: None, step=lambda: None)
     samples = [types.SimpleNamespace(length=n) for n in range(10, 30)]

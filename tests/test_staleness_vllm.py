@@ -102,13 +102,14 @@ def uninterrupted(warm_start, tmp_path_factory):
 
 
 def _check_k2(records: list[dict], rollouts: list[dict]) -> None:
-    """The uninterrupted k = 2 run is worth comparing against: it carried episodes over updates, before and after
-    its checkpoint, trained none older than k, and drained before each checkpoint."""
+    """The uninterrupted k = 2 run is worth comparing against: before and after its checkpoint it trained groups
+    played before the previous update (the rollouts before a checkpoint admit 2 x 2 groups, then none), trained
+    none older than k, 2 groups per update, and drained before each checkpoint."""
     assert [r["iteration"] for r in records] == [0, 1, 2, 3]
     assert [r["version"] for r in rollouts] == [0, 1, 2, 3]
-    assert records[0]["rollout/carried_episodes"] > 0 and records[2]["rollout/carried_episodes"] > 0
+    assert records[1]["rollout/staleness_max"] == records[3]["rollout/staleness_max"] == 1
     assert records[1]["rollout/carried_episodes"] == records[3]["rollout/carried_episodes"] == 0  # drained
-    assert any(r["rollout/cross_version_episodes"] > 0 for r in records)
+    assert all(r["rollout/filter_total_groups"] == 2 for r in records)
     for rollout in rollouts:
         assert all(rollout["version"] - 2 <= v <= rollout["version"] for ep in rollout["episodes"]
                    for v in ep["versions"])
@@ -178,11 +179,65 @@ def test_k0_trains_bit_for_bit_as_the_synchronous_run(warm_start, tmp_path):
     _same_weights(tmp_path / "k0" / "checkpoints" / "step_4", tmp_path / "synchronous" / "checkpoints" / "step_4")
 
 
+def test_every_iteration_trains_the_configured_groups_in_the_same_optimizer_steps_at_every_k(warm_start, tmp_path):
+    """The run without rollout.max_staleness, and at k = 1 and k = 2 (3 iterations, episodes of 1 to 5 turns):
+    every update filters and trains rollout.env_groups = 2 groups, in as many optimizer steps as without the key,
+    while at k > 0 turns are trained up to k updates after they were sampled, never later, and at k = 1 episodes
+    wait for the next weights. (At k = 2 the 6 groups admitted first may all end together, which leaves nothing
+    to carry within 3 iterations.)"""
+    run = ["sokoban_visual", f"model.path={warm_start}", *SMALL, "rollout.max_turns=5", "train.seed=1",
+           "train.iterations=3"]
+    records = {}
+    for k in (0, 1, 2):
+        stale = [f"rollout.max_staleness={k}", "algo.rollout_correction=tis"] if k else []
+        _succeeded(_train(tmp_path, f"k{k}", *run, *stale))
+        records[k] = _record(tmp_path / f"k{k}")
+    steps = [r["update/optimizer_steps"] for r in records[0]]
+    assert steps[0] >= 1
+    for k, rows in records.items():
+        assert [r["iteration"] for r in rows] == [0, 1, 2]
+        assert [r["rollout/filter_total_groups"] for r in rows] == [2.0] * 3
+        assert [r["update/optimizer_steps"] for r in rows] == steps
+        assert max(r["rollout/staleness_max"] for r in rows) == k  # turns trained k updates after they were sampled
+    assert sum(r["rollout/carried_episodes"] for r in records[1]) > 0
+    assert sum(r["rollout/carried_episodes"] for r in records[0]) == 0
+
+
+def test_a_checkpoint_forced_by_failing_steps_at_k1_resumes_carrying_episodes(warm_start, tmp_path):
+    """k = 1, every step of iteration 1 fails (train.max_bad_steps=1): the run stops with a checkpoint forced while
+    groups were in flight. Resumed (train.resume=auto), it admits (k + 1) x 2 groups again, after the last one the
+    first run admitted, and carries episodes over updates; before, the groups in flight stayed counted for good
+    and the resumed run was synchronous without a word."""
+    run = ["sokoban_visual", f"model.path={warm_start}", *SMALL, "algo.rollout_correction=tis",
+           "rollout.max_staleness=1", "rollout.max_turns=5", "train.seed=0", "train.iterations=5",
+           "train.max_bad_steps=1"]
+    for folder in ("first", "resumed"):
+        (tmp_path / folder).mkdir()
+    stopped = _train(tmp_path, "forced", *run, worker=("--record", str(tmp_path / "first"), "--nan-from", "1"))
+    assert stopped.returncode == 1, stopped.stdout[-3000:] + stopped.stderr[-5000:]
+    checkpoints = tmp_path / "forced" / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step_2"
+    first = _rollouts(tmp_path / "first")
+    saved = json.loads((checkpoints / "step_2" / "trainer_state.json").read_text())["admission"]["ranks"][0]
+    assert saved["started"] > saved["ended"] == 4  # groups were in flight when it was saved, 2 trained per update
+    resumed = _train(tmp_path, "forced", *run, "train.resume=auto", worker=("--record", str(tmp_path / "resumed")))
+    _succeeded(resumed)
+    assert "resuming from" in resumed.stdout
+    records = _record(tmp_path / "forced")
+    assert [r["iteration"] for r in records] == [0, 1, 2, 3, 4]
+    later = _rollouts(tmp_path / "resumed")
+    # the resumed run trains groups admitted after every one the first run had started (their levels are skipped)
+    assert [ep["admission"] for ep in later[0]["episodes"]] == [n for n in range(saved["started"], saved["started"] + 2)
+                                                                for _ in range(2)], (saved, first, later[0])
+    assert any(r["rollout/carried_episodes"] > 0 for r in records[2:])  # k = 1 intact after the resumption
+    assert all(r["rollout/filter_total_groups"] == 2 for r in records)
+
+
 @pytest.mark.slow
 def test_zero3_ranks_one_carrying_nothing_one_carrying_long_episodes_do_not_deadlock(tmp_path):
     """k = 2 over two gloo ranks under ZeRO-3 (sokoban_text's warm start, 2 groups of 2 per rank and update):
-    every episode of rank 0 ends after its first turn, so it never holds one back and trains every group it
-    admitted at once; on rank 1 the groups played in the first 2 groups' slots end so too, and the others run to
+    every episode of rank 0 ends after its first turn, so it never holds one back between turns, and its groups
+    that ended beyond the 2 due wait, ended, for their update; on rank 1 the groups played in the first 2 groups' slots end so too, and the others run to
     the turn limit, waiting across updates. The ranks meet at every collective (the carried count, the group plan
     and the moves that even out the groups, the annotation, the update, the weight sync) whatever each played,
     and the turns of the long episodes are trained 2 updates late at most."""
@@ -199,8 +254,8 @@ def test_zero3_ranks_one_carrying_nothing_one_carrying_long_episodes_do_not_dead
     short, long = _rollouts(tmp_path, 0), _rollouts(tmp_path, 1)
     assert [r["version"] for r in short] == [r["version"] for r in long] == [0, 1, 2]
     assert all(r["carried"] == 0 for r in short)
-    assert all(ep["versions"] == [r["version"]] for r in short for ep in r["episodes"])
-    assert len(short[0]["episodes"]) == 3 * 2 * 2  # every group admitted before the first update: (k + 1) x 2
+    assert all(r["version"] - 2 <= v <= r["version"] for r in short for ep in r["episodes"] for v in ep["versions"])
+    assert [len(r["episodes"]) for r in short] == [2 * 2] * 3  # 2 groups per update, though all 6 ended at once
     # rank 1 closed its first rollout on the 2 short groups, with the 4 long ones unfinished
     assert long[0]["carried"] == 4 * 2 and len(long[0]["episodes"]) == 2 * 2
     lengths = {len(ep["versions"]) for r in long for ep in r["episodes"]}

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 from scripted import ScriptedDecoder
-from test_staleness import Answers, Steps
+from test_staleness import Answers, Steps, _saves_in
 
 from envs_visual.base import format_response
 from vagen.config import ConfigError, check_ranks, from_dict, load_configs, main, task_configs, to_yaml
@@ -210,7 +210,7 @@ def test_carried_episodes_stay_in_their_tasks_groups_and_are_at_most_k_updates_o
     trained = {"sokoban_text": [], "frozenlake_text": []}
     carried = dict.fromkeys(trained, 0)
     for version in range(versions):
-        episodes, stats = source.play(decoder, version, drain=version == versions - 1)
+        episodes, stats = source.play(decoder, version, saves_in=_saves_in(version, {versions - 1}, k))
         groups = {}
         for ep in episodes:
             groups.setdefault(ep.group_id, set()).add((ep.task, ep.admission, ep.seed))
@@ -222,7 +222,7 @@ def test_carried_episodes_stay_in_their_tasks_groups_and_are_at_most_k_updates_o
         for name, part in source.parts:
             mine = [ep for ep in episodes if ep.task == name]
             numbers = sorted({ep.admission for ep in mine})
-            assert len(numbers) >= 2  # the task's rollout ended once its 2 groups had ended, or later
+            assert len(numbers) == 2  # exactly the task's 2 groups, those it admitted first
             trained[name] += numbers
             in_flight = set(part.game.groups)
             assert len(trained[name]) == len(set(trained[name])) and not set(trained[name]) & in_flight
@@ -252,7 +252,7 @@ def test_a_run_over_several_tasks_resumed_after_a_drained_checkpoint_plays_what_
     def played(source, versions):
         out = []
         for version in versions:
-            episodes, stats = source.play(Answers(encoder), version, drain=version == saved_after)
+            episodes, stats = source.play(Answers(encoder), version, saves_in=_saves_in(version, {saved_after, 5}, 1))
             out.append([(ep.task, ep.group_id, ep.admission, ep.seed, [t.version for t in ep.turns], ep.input_ids)
                         for ep in episodes])
             if version == saved_after:
@@ -263,8 +263,8 @@ def test_a_run_over_several_tasks_resumed_after_a_drained_checkpoint_plays_what_
     source = TaskRollouts(encoder, cfg, admissions=admissions)
     uninterrupted = played(source, range(3))
     saved = json.loads(json.dumps(admissions.state_dict()))  # as trainer_state.json keeps it
-    # more groups than 3 iterations' shares ended by then: the synchronous numbering would replay some
-    assert any(counts["started"] > 3 * 2 for counts in saved["tasks"].values()), saved
+    # every update trained each task's share: 3 iterations' shares, none in flight
+    assert [(c["started"], c["ended"]) for c in saved["tasks"].values()] == [(3 * 2, 3 * 2)] * 2, saved
     uninterrupted += played(source, range(3, 6))
     restored = TaskAdmissions(cfg)
     restored.load_state_dict(saved)
@@ -276,8 +276,44 @@ def test_a_run_over_several_tasks_resumed_after_a_drained_checkpoint_plays_what_
     assert [(a.started, a.ended) for a in old.parts.values()] == [(6, 6), (6, 6)]
 
 
+def test_each_tasks_admission_counts_carry_over_a_change_of_rank_count(tiny_text, monkeypatch):
+    """k = 1, two tasks of 2 groups: 2 ranks (one group of each task per rank) play 3 iterations and save, drained;
+    resumed on 1 rank (`TaskAdmissions.load_ranks`, as `vagen.train.EveryRank` calls it), each task goes on with
+    the synchronous run's levels of iteration 3, none of the levels its ranks played before. (Before, counts of
+    another rank count were dropped: harmless after a drained save, but a save forced with groups in flight
+    replayed levels already trained.) The counts saved with groups in flight skip the iteration they had started."""
+    import vagen.tasks
+    from vagen.episode import ChatEncoder, train_seeds
+    from vagen.tasks import TaskAdmissions, TaskRollouts
+
+    cfg = _text_tasks("rollout.max_turns=3", "rollout.backend=vllm", "algo.rollout_correction=tis",
+                      "rollout.max_staleness=1", frozenlake_groups=2)
+    monkeypatch.setattr(vagen.tasks, "make_envs", lambda env, count, owner=None: [Lasting() for _ in range(count)])
+    encoder, played = ChatEncoder(tiny_text[2]), {}
+    states = []
+    for rank in range(2):
+        admissions = TaskAdmissions(cfg, world_size=2)
+        source = TaskRollouts(encoder, cfg, rank, 2, admissions=admissions)
+        for version in range(3):
+            for ep in source.play(Answers(encoder), version, saves_in=_saves_in(version, {2}, 1))[0]:
+                played.setdefault(ep.task, set()).add(ep.seed)
+        states.append(json.loads(json.dumps(admissions.state_dict())))
+    restored = TaskAdmissions(cfg, world_size=1)
+    restored.load_ranks(states)
+    assert [(a.started, a.ended) for a in restored.parts.values()] == [(6, 6), (6, 6)]
+    resumed = TaskRollouts(encoder, cfg, start=3, admissions=restored)
+    episodes, _ = resumed.play(Answers(encoder), 3)
+    for name, sub in task_configs(cfg):
+        levels = {ep.seed for ep in episodes if ep.task == name}
+        assert levels == set(train_seeds(3, sub.rollout.env_groups, sub.train.seed)) and not levels & played[name]
+    in_flight = [{"tasks": {name: {"started": 5, "ended": 3, "groups_per_rank": 1} for name in restored.parts}}] * 2
+    skipping = TaskAdmissions(cfg, world_size=1)
+    skipping.load_ranks(in_flight)
+    assert [(a.started, a.ended) for a in skipping.parts.values()] == [(10, 10), (10, 10)]
+
+
 def test_the_reward_std_filter_ranks_groups_within_their_task():
-    from vagen.update import filter_by_task, plan_groups
+    from vagen.batch_plan import filter_by_task, plan_groups
 
     # Sokoban's groups 0 and 1 (std 7.07 and 1.41) both vary more than FrozenLake's 2 and 3 (0.71 and 0)
     scores = torch.tensor([0.0, 10.0, 0.0, 2.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)

@@ -176,7 +176,7 @@ def test_appended_im_end_keeps_its_advantage_but_gets_no_policy_gradient(text_po
 
 
 def test_filter_keeps_the_groups_of_highest_reward_std_and_makes_their_ids_global(text_policy):
-    from vagen.update import filter_groups
+    from vagen.batch_plan import filter_groups
 
     _, encoder = text_policy
     cfg = load_config("bandit_text", ["rollout.group_size=2", "rollout.env_groups=4", "train.mini_batch_size=4",

@@ -196,8 +196,8 @@ def test_every_estimator_gives_each_turn_sample_what_the_whole_trajectory_gets(t
 
 
 def test_a_mini_batch_takes_every_turn_sample_of_its_trajectories(tiny_text):
+    from vagen.batch_plan import plan_epoch
     from vagen.episode import ChatEncoder
-    from vagen.update import plan_epoch
 
     encoder = ChatEncoder(tiny_text[2])
     fmt = load_config("sokoban_text").env.prompt_format
@@ -210,13 +210,18 @@ def test_a_mini_batch_takes_every_turn_sample_of_its_trajectories(tiny_text):
         sample.extra["adv_mask"] = sample.sampled_mask
     minis = plan_epoch(samples, cfg, 1, torch.Generator().manual_seed(0), shuffle=True)
     assert len(minis) == 2  # 4 trajectories, 2 per optimizer step, whatever their 12 turn samples
+    trajectories = []
     for mini in minis:
         indices = [i for micro in mini.micro for i in micro]
         assert [len(micro) for micro in mini.micro] == [4, 2]
-        assert sorted({samples[i].episode_index for i in indices}) == sorted(
-            {samples[i].episode_index for i in indices}) and len({samples[i].episode_index for i in indices}) == 2
-        for episode in {samples[i].episode_index for i in indices}:
+        trajectories.append({samples[i].episode_index for i in indices})
+        assert len(trajectories[-1]) == 2
+        for episode in trajectories[-1]:
             assert sorted(samples[i].turn_index for i in indices if samples[i].episode_index == episode) == [0, 1, 2]
+    # the two mini-batches split the 4 trajectories between them, each sample trained once per epoch
+    assert trajectories[0].isdisjoint(trajectories[1])
+    assert trajectories[0] | trajectories[1] == {s.episode_index for s in samples} and len(samples) == 12
+    assert sorted(i for mini in minis for micro in mini.micro for i in micro) == list(range(12))
 
 
 @pytest.mark.parametrize("overrides, match", [

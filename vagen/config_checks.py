@@ -476,7 +476,7 @@ def kept_groups(cfg) -> int:
     """Level groups an iteration trains after the reward-std filter (all of them without it)."""
     if cfg.algo.filter_mode == "none":
         return cfg.rollout.env_groups
-    # with rollout.tasks the filter keeps its share of each task's groups (vagen.update.plan_groups)
+    # with rollout.tasks the filter keeps its share of each task's groups (vagen.batch_plan.plan_groups)
     counts = [task.groups for task in cfg.rollout.tasks] or [cfg.rollout.env_groups]
     return sum(max(1, math.ceil(cfg.algo.filter_keep_ratio * groups - 1e-9)) for groups in counts)
 

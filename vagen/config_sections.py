@@ -21,6 +21,7 @@ CHOICES = {
     ("rollout", "backend"): ("hf", "vllm"),
     ("rollout", "context"): ("full", "window"),
     ("algo", "rollout_correction"): ("none", "tis"),
+    ("algo", "rollout_correction_mode"): ("clamp", "mask"),
     ("algo", "adv_estimator"): ("turn_gae", "gae", "grpo", "gigpo"),
     ("algo", "gigpo_norm"): ("mean_std", "mean"),
     ("algo", "token_selection"): ("all", "answer", "think_answer", "entropy"),
@@ -229,10 +230,15 @@ class AlgoConfig:
     loss_norm_tokens: int | None = _f(None, "seq-mean-token-sum-norm: the constant each trajectory's token sum is "
                                             "divided by, whatever the padding of a micro-batch; null = the most tokens "
                                             "a trajectory can generate, rollout.max_turns x (rollout.max_new_tokens + 1)")
-    rollout_correction: str = _f("none", "rollout.backend=vllm: none | tis (truncated importance sampling: each "
-                                         "sampled token's policy loss weighted by min(p_trainer / p_vllm, "
-                                         "algo.rollout_correction_cap), for the gap between the engines)")
+    rollout_correction: str = _f("none", "rollout.backend=vllm: none | tis (importance sampling: each sampled "
+                                         "token's policy loss weighted by p_trainer / p_vllm, capped as "
+                                         "algo.rollout_correction_mode says, for the gap between the engines; "
+                                         "required at rollout.max_staleness > 0, where it is decoupled PPO's "
+                                         "behaviour weight and corrects for the staleness too)")
     rollout_correction_cap: float = _f(2.0, "algo.rollout_correction=tis: the largest weight C")
+    rollout_correction_mode: str = _f("clamp", "algo.rollout_correction=tis: what a weight above the cap C becomes: "
+                                               "clamp (C: truncated importance sampling, verl's TIS) | mask (0: the "
+                                               "token leaves the loss, AReaL's decoupled PPO with behav_imp_weight_cap)")
     state_reward: str = _f("none", "grade the agent's <observation> (against the state before its actions) and "
                                    "<prediction> (the state after): none | rules (deterministic F1 of described "
                                    "relations) | judge (a local causal LM at algo.state_judge_path)")

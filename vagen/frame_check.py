@@ -159,7 +159,8 @@ def swapped_logprobs(model, samples: list[Sample], swapped: list[Sample], temper
     """Log-probabilities [length] of each of `swapped`'s generated tokens (`vagen.update.token_logprobs`), a
     micro-batch at a time; every rank runs as many passes as the busiest (a pass over `samples[0]`, thrown
     away, where it has none left), as ZeRO-3's collective gathers need."""
-    from vagen.update import chunks, token_logprobs
+    from vagen.batch_plan import chunks
+    from vagen.update import token_logprobs
 
     micro = chunks(list(range(len(swapped))), micro_batch_size)
     most = int(all_reduce(torch.tensor([len(micro)], dtype=torch.float64), "max")[0])

@@ -130,20 +130,22 @@ class Rollouts:
         """The graded fields of this run's prompt format (`graded_scores`), for `rollout_metrics`."""
         return graded_scores(example_env(self.envs))
 
-    def play(self, decoder: Decoder, version: int, drain: bool = False) -> tuple[list[Episode], dict[str, float]]:
-        """The rollout before the update of `version`: the episodes of every group that ended whole (in
-        admission order, `group_id` their rank among them), and the rollout's metrics. Carried episodes go on
-        first, new groups are admitted up to the bound; `drain`: every group admitted ends (before a
-        checkpoint, which then holds no carried episode)."""
-        play_game(decoder, self.begin(version, drain))
+    def play(self, decoder: Decoder, version: int, saves_in: int = 0) -> tuple[list[Episode], dict[str, float]]:
+        """The rollout before the update of `version`: the episodes of the B groups due (this rank's share, the first
+        admitted: `Admission.due`), which it plays to their end, in admission order (`group_id` their rank among
+        them), and the rollout's metrics. Carried episodes go on first, new groups are admitted up to the bound;
+        groups that ended but are not due wait for their update. `saves_in`: the rollouts until a checkpoint, this
+        one counted (0: none scheduled within k + 1): fewer groups are admitted before it (`Admission.limit`), and
+        at 1 every group admitted ends, so that the checkpoint holds none."""
+        play_game(decoder, self.begin(version, saves_in))
         return self.end()
 
-    def begin(self, version: int, drain: bool = False) -> Game:
+    def begin(self, version: int, saves_in: int = 0) -> Game:
         """The first half of `play`: the carried episodes go on and new groups are admitted (their environments
         reset); returns the game for a decoder to play (`vagen.tasks` plays every task's in one agent loop)."""
         cfg, game, share = self.cfg, self.game, self.admission.groups_per_rank
-        game.start(version, drain)
-        for number in self.admission.admit(version):
+        game.start(version, drain=saves_in == 1)
+        for number in self.admission.admit(version, saves_in):
             iteration, index = self.admission.level(number)
             seed = train_seeds(iteration, cfg.rollout.env_groups, cfg.train.seed)[self.rank * share + index]
             sample_seed = (cfg.train.seed * 1_000_003 + iteration) * 1_009 + self.rank
@@ -192,8 +194,8 @@ class Game:
 
     Episodes sit in slots, one per environment of `pool`, a group in `group_size` consecutive slots. A
     training run's `Rollouts` keeps one game over its rollouts: with an `admission`, the rollout closes once
-    `admission.groups_per_rank` groups have ended whole, and from then on the next turns of groups that
-    may be carried over the update go to `waiting` instead of `ready`; `start` sends them on."""
+    the groups due at the update (`Admission.due`) have ended whole, and from then on the next turns of the
+    other groups go to `waiting` instead of `ready`; `start` sends them on."""
 
     def __init__(self, encoder: ChatEncoder, cfg, seeds: list[int], group_size: int, pool, do_sample, sample_seed: int,
                  on_step=None, progress=None, admission: Admission | None = None):
@@ -239,31 +241,31 @@ class Game:
         self.waiting = []
 
     def collect(self) -> list[Episode]:
-        """The episodes of every group that ended whole, in admission order, `group_id` their group's rank among
-        them; their slots are freed."""
+        """The episodes of the groups due (`Admission.due`, default: every group), which have ended whole, in
+        admission order, `group_id` their group's rank among them; their slots are freed. Other groups stay, those
+        that ended included, for a later update."""
         episodes = []
-        for number in sorted(self.groups):
-            if self.group_ended(number):
-                for slot in self.groups.pop(number):
-                    episode = self.episodes[slot]
-                    episode.group_id, episode.admission = len(episodes) // self.group_size, number
-                    episodes.append(episode)
-                    self.episodes[slot] = None
+        for number in self.due():
+            assert self.group_ended(number), f"group {number} is due but has not ended ({sorted(self.groups)=})"
+            for slot in self.groups.pop(number):
+                episode = self.episodes[slot]
+                episode.group_id, episode.admission = len(episodes) // self.group_size, number
+                episodes.append(episode)
+                self.episodes[slot] = None
         return episodes
+
+    def due(self) -> list[int]:
+        """The groups the next update trains: with an admission its B first admitted (`Admission.due`)."""
+        return self.admission.due(self.groups) if self.admission is not None else sorted(self.groups)
 
     def group_ended(self, number: int) -> bool:
         return all(self.episodes[slot] is not None and self.episodes[slot].done and slot not in self.responses
                    for slot in self.groups[number])
 
     def holds(self, i: int) -> bool:
-        """Whether episode `i`'s next turn waits for the next rollout: the rollout has closed, and its group may
-        be carried over the update."""
-        if not self.closed or self.draining:
-            return False
-        group = next(slots for slots in self.groups.values() if i in slots)
-        versions = [t.version for slot in group if self.episodes[slot] is not None for t in self.episodes[slot].turns]
-        versions += [response[-1] for slot, response in self.responses.items() if slot in group]
-        return not self.admission.must_finish(min(versions, default=None), self.version)
+        """Whether episode `i`'s next turn waits for the next rollout: the rollout has closed (its due groups have
+        ended, so `i`'s group is not due) and does not drain."""
+        return self.closed and not self.draining
 
     def sampling(self, turn: int) -> Sampling:
         """How turn `turn` of every episode is decoded: its seed from the rollout's and the turn."""
@@ -299,7 +301,7 @@ class Game:
             if not (all_of_them and self.pool.busy()) or (until is not None and time.perf_counter() >= until):
                 break
         if self.admission is not None and not self.closed:
-            self.closed = sum(self.group_ended(number) for number in self.groups) >= self.admission.groups_per_rank
+            self.closed = all(self.group_ended(number) for number in self.due())
             if self.closed:
                 held = [i for i in self.ready if self.holds(i)]
                 self.ready = [i for i in self.ready if i not in held]

@@ -34,7 +34,7 @@ from vagen.config import Config, to_yaml
 from vagen.distributed import Dist, barrier, broadcast_object, gather_objects
 
 # Metrics that are counts per rank: summed over ranks instead of averaged.
-# Filter metrics are computed over all ranks at once (vagen.update.filter_groups): averaged, not summed.
+# Filter metrics are computed over all ranks at once (vagen.batch_plan.filter_groups): averaged, not summed.
 SUMMED_METRICS = ("rollout/truncated_trajectories", "rollout/generated_tokens", "update/tokens",
                   "rollout/env_errors")
 
@@ -81,6 +81,7 @@ class RunDir:
                 if resume_from is not None:
                     universal = check_resume_layout(resume_from, cfg, dist.world_size)
                 if universal:  # the other ranks wait in the broadcast below (train.dist_timeout_minutes)
+                    check_conversion_time(resume_from, cfg, dist.world_size)
                     to_universal(resume_from, cfg, dist.world_size)
             except ResumeError as err:
                 refusal = str(err)
@@ -436,6 +437,36 @@ def check_resume_layout(ckpt: Path, cfg: Config, world_size: int) -> bool:
           f"its per-rank optimizer states are loaded through DeepSpeed's universal checkpoint "
           f"({ckpt / 'universal'}; batches are shared out anew)", flush=True)
     return True
+
+
+# Bytes of engine states `to_universal` converts per second: 0.40 GB of ZeRO-3 states in 10.4 s on a 2-core CPU
+# machine, the script's start-up included (benchmarks/bench_universal.py, docs/benchmarks.md). The slowest rate
+# measured: an estimate that errs towards a longer wait.
+CONVERSION_BYTES_PER_S = 40e6
+
+
+def conversion_seconds(ckpt: Path) -> float:
+    """How long `to_universal` would take on `ckpt`: its engine states' bytes (`deepspeed/`, every model) at
+    CONVERSION_BYTES_PER_S."""
+    size = sum(p.stat().st_size for p in (ckpt / "deepspeed").rglob("*") if p.is_file())
+    return size / CONVERSION_BYTES_PER_S
+
+
+def check_conversion_time(ckpt: Path, cfg: Config, world_size: int) -> None:
+    """Refuse, before the other ranks wait, a conversion estimated to outlast `train.dist_timeout_minutes`, the
+    longest the other ranks wait for rank 0 (one rank: nobody waits)."""
+    if world_size <= 1:
+        return
+    minutes = conversion_seconds(ckpt) / 60
+    if minutes > cfg.train.dist_timeout_minutes:
+        size = minutes * 60 * CONVERSION_BYTES_PER_S
+        raise ResumeError(
+            f"train.resume: converting {ckpt.name}'s {size / 1e9:.1f} GB of engine states to a universal checkpoint "
+            f"(it was saved on another number of ranks) is estimated at {minutes:.1f} minutes (at "
+            f"{CONVERSION_BYTES_PER_S / 1e6:.0f} MB/s, the rate measured on a 2-core machine), longer than the "
+            f"{world_size - 1} other rank(s) wait for it, train.dist_timeout_minutes={cfg.train.dist_timeout_minutes}; "
+            f"set train.dist_timeout_minutes={max(2 * math.ceil(minutes), cfg.train.dist_timeout_minutes + 1)} for "
+            f"this resume (it is only the longest wait), or resume on the rank count it was saved with")
 
 
 def to_universal(ckpt: Path, cfg: Config, world_size: int, workers: tuple[int, int] | None = None) -> Path:

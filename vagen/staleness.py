@@ -8,14 +8,19 @@ n mod B of iteration n div B of the synchronous run (B = groups per rank), with 
 seeds, so k = 0 admits exactly the synchronous run's groups, in its order.
 
 Admission follows AReaL: before the update of version v a rank starts groups, all at once, while it has
-at most (k + 1) x B groups in flight (started and not yet ended); while every update trains B groups this is
-AReaL's bound, started <= (v + k + 1) x B, so that episodes are carried over in practice, not only allowed
-to be. (AReaL's count by version would stay short for good after an update that trained more than B groups:
-those finished early to respect k, or every group, drained before a checkpoint.) A rollout ends once B of
-its groups have ended whole; episodes still unfinished then wait between turns and go on after the update
-with the new weights, except those of a group whose oldest turn would be more than k updates old at the
-next update: those are played to their end first, never dropped. That, not the admission, bounds the
-staleness of every trained turn by k.
+at most (k + 1) x B groups in flight (started and not yet trained); every update trains exactly B groups, so this
+is AReaL's bound, started <= (v + k + 1) x B, and episodes are carried over in practice, not only allowed to be.
+Unlike AReaL, which trains whichever groups end first, an update trains the B groups it admitted first (`due`):
+the update of version v trains groups vB ... vB + B - 1, the synchronous run's groups of iteration v, so k changes
+when a level is played, never which levels a batch holds or how many (no bias towards short episodes). A rollout
+ends once its due groups have ended whole; groups that ended beyond them wait, ended, for their own update, and
+unfinished episodes wait between turns and go on after the update with the new weights. That bounds the staleness
+of every trained turn by k: group n is admitted before the update of u with n < (u + k + 1) x B, and trained at
+the update of n div B <= u + k.
+
+A checkpoint holds no group in flight: the k rollouts before it admit fewer groups (`Admission.limit`), so that
+the last one holds exactly its B due groups, plays them to their end and trains them, every update still
+training B.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 @dataclass
 class Admission:
     """One rank's admission of level groups. `started`: the groups admitted so far, which is also the number
-    of the next one; `ended`: those that have ended (trained or filtered out)."""
+    of the next one; `ended`: those an update has taken (trained, or filtered out)."""
 
     groups_per_rank: int
     max_staleness: int = 0
@@ -48,28 +53,35 @@ class Admission:
         """The most groups in flight at once: (k + 1) x B."""
         return (self.max_staleness + 1) * self.groups_per_rank
 
-    def admit(self, version: int) -> range:
-        """The numbers of the groups to start now, before the update of `version`: as many as keep (k + 1) x B
-        in flight. Numbers of iterations that played no rollout (`rollout.reuse_iterations`, k = 0) are
+    def limit(self, saves_in: int = 0) -> int:
+        """The most groups in flight after the admission of a rollout that is `saves_in` rollouts from a
+        checkpoint, this one counted (0: none within reach): (k + 1) x B, or `saves_in` x B when that is fewer,
+        so that the rollout before the checkpoint holds exactly B groups, which all end and are all trained."""
+        if saves_in > 0:
+            return min(self.max_staleness + 1, saves_in) * self.groups_per_rank
+        return self.in_flight_limit
+
+    def admit(self, version: int, saves_in: int = 0) -> range:
+        """The numbers of the groups to start now, before the update of `version`: as many as keep `limit` in
+        flight. Numbers of iterations that played no rollout (`rollout.reuse_iterations`, k = 0) are
         skipped, as their levels are."""
         skipped = version * self.groups_per_rank - self.started
         if skipped > 0:
             self.started += skipped
             self.ended += skipped
-        numbers = range(self.started, max(self.started, self.ended + self.in_flight_limit))
+        numbers = range(self.started, max(self.started, self.ended + self.limit(saves_in)))
         self.started = numbers.stop
         return numbers
 
     def end(self, groups: int) -> None:
-        """`groups` of the admitted ones have ended."""
+        """`groups` of the admitted ones have been trained (or filtered out)."""
         assert 0 <= groups <= self.started - self.ended, f"{groups=} {self.started=} {self.ended=}"
         self.ended += groups
 
-    def must_finish(self, oldest: int | None, version: int) -> bool:
-        """Whether a group whose oldest turn was sampled by version `oldest` (None: no turn yet) must end before
-        the update of `version`: carried over it, the group would be trained at version + 1 or later, more
-        than k versions after that turn."""
-        return oldest is not None and version + 1 - oldest > self.max_staleness
+    def due(self, numbers) -> list[int]:
+        """Of the untrained groups `numbers` (a rank's in flight), the ones the next update trains: the B first
+        admitted."""
+        return sorted(numbers)[: self.groups_per_rank]
 
     def level(self, number: int) -> tuple[int, int]:
         """(iteration, index) of group `number` in the synchronous run: its level and request seeds are those of
@@ -77,11 +89,24 @@ class Admission:
         return divmod(number, self.groups_per_rank)
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps: the counts (a checkpoint is saved with no group in flight, `drain`)."""
-        return {"started": self.started, "ended": self.ended}
+        """What a checkpoint keeps: the counts and the groups per rank they were counted in."""
+        return {"started": self.started, "ended": self.ended, "groups_per_rank": self.groups_per_rank}
 
     def load_state_dict(self, state: dict) -> None:
-        self.started, self.ended = int(state["started"]), int(state["ended"])
+        """The counts of a checkpoint of as many ranks. Groups that were in flight when it was saved (a save
+        forced by failing steps, taken with episodes waiting) are not in it: their levels are skipped, never
+        played twice, and the resumed run admits (k + 1) x B new groups, so it carries episodes as before."""
+        self.started = self.ended = int(state["started"])
+
+    def load_ranks(self, states: list[dict]) -> None:
+        """The counts of a checkpoint of another number of ranks (`states`, one per rank): the next group plays
+        the first iteration of the synchronous run's levels that no rank had started, numbered for this rank's
+        share. Every rank has the levels of a whole iteration (of any number of ranks), so none is played twice.
+        States without their groups per rank (saved before they were kept) give none back (`resume`)."""
+        if not states or any("groups_per_rank" not in state for state in states):
+            return
+        reached = max(-(-int(state["started"]) // int(state["groups_per_rank"])) for state in states)
+        self.started = self.ended = reached * self.groups_per_rank
 
     def resume(self, start: int) -> None:
         """A run resumed at iteration `start` from a checkpoint that kept no counts (saved before they existed,

@@ -4,7 +4,7 @@ episodes together, each tagged with its task.
 
 Group ids stay within a task: on a rank, task t's groups are numbered after those of the tasks before it
 (`offset` = the earlier tasks' groups per rank), so a group id names one level of one task, and the
-reward-std filter (`vagen.update.filter_by_task`), GRPO's and GiGPO's groups and advantage whitening
+reward-std filter (`vagen.batch_plan.filter_by_task`), GRPO's and GiGPO's groups and advantage whitening
 (`vagen.update.whiten_by_task`) never mix tasks. Metrics of each task go under `rollout/<task>/...` beside
 the totals (`task_metrics`).
 
@@ -63,24 +63,24 @@ class TaskRollouts:
         pools = [env for pool in self.pools for env in (pool if isinstance(pool, list) else [pool])]
         return pools + ([self.ray] if self.ray is not None else [])
 
-    def play(self, decoder, version: int, drain: bool = False, together: bool = True
+    def play(self, decoder, version: int, saves_in: int = 0, together: bool = True
              ) -> tuple[list[Episode], dict[str, float]]:
         """Every task's rollout: with a decoder that has an agent loop (`rollout.backend=vllm`) and `together`,
         every task's game in that one loop, so that one engine pass decodes turns of several tasks (each
         task's requests still take its own turn budgets, and its game its own admission); otherwise each
         task's in turn (the hf backend's per-turn schedule). Each task's episodes' group ids shifted past the
-        earlier tasks' groups (with rollout.max_staleness > 0 a task may end more groups than its share) and
+        earlier tasks' groups and
         `task` set; the rollout's timing summed and each task's metrics under rollout/<task>/, over all its
         episodes (those whose environment failed at reset included: `env_errors` counts them). Raises
         RuntimeError, on every rank, naming the tasks whose environments failed in every episode of every
         rank."""
         if together and hasattr(decoder, "play"):
-            games = [source.begin(version, drain) for _, source in self.parts]
+            games = [source.begin(version, saves_in) for _, source in self.parts]
             decoder.start_rollout()
             decoder.play(*games)
             results = [source.end() for _, source in self.parts]
         else:
-            results = [source.play(decoder, version, drain) for _, source in self.parts]
+            results = [source.play(decoder, version, saves_in) for _, source in self.parts]
         episodes, stats, offset = [], dict.fromkeys(SUMMED, 0.0), 0
         for (name, source), (played, part) in zip(self.parts, results):
             for ep in played:
@@ -142,6 +142,11 @@ class TaskAdmissions:
         for name, counts in state.get("tasks", {}).items():
             if name in self.parts:
                 self.parts[name].load_state_dict(counts)
+
+    def load_ranks(self, states: list[dict]) -> None:
+        """Each task's counts from a checkpoint of another number of ranks (`Admission.load_ranks`)."""
+        for name, admission in self.parts.items():
+            admission.load_ranks([state.get("tasks", {}).get(name, {}) for state in states])
 
 
 def run_admission(cfg, world_size: int):

@@ -269,7 +269,7 @@ def build_critic(cfg, policy_path):
 def play(cfg, it: int, dist, models: Models, decoder, source, rewarder):
     """This rank's rollout before the update of iteration `it` (`vagen.rollout.Rollouts`: its share of the
     iteration's level seeds, and with rollout.max_staleness > 0 the groups carried from earlier rollouts;
-    every group ends before a checkpoint), played; the state reward applied (before any use of the rewards)
+    exactly the rank's share of groups is trained, and every group ends before a checkpoint), played; the state reward applied (before any use of the rewards)
     and the rollout's metrics. Returns the episodes with at least one turn."""
     import torch
 
@@ -277,7 +277,7 @@ def play(cfg, it: int, dist, models: Models, decoder, source, rewarder):
     from vagen.rollout import rollout_metrics
 
     models.actor.module.eval()
-    episodes, stats = source.play(decoder, version=it, drain=saves_at(it, cfg))
+    episodes, stats = source.play(decoder, version=it, saves_in=rollouts_to_save(it, cfg))
     # episodes left waiting for the next weights, over all ranks
     stats["rollout/carried_episodes"] = float(all_reduce(torch.tensor([stats["rollout/carried_episodes"]]))[0])
     if rewarder is not None:
@@ -291,11 +291,11 @@ def play(cfg, it: int, dist, models: Models, decoder, source, rewarder):
 
 
 def kept_samples(cfg, dist, models: Models, played: list):
-    """StarPO-S over all ranks (`vagen.update.plan_groups`), then the kept groups' episodes as training
+    """StarPO-S over all ranks (`vagen.batch_plan.plan_groups`), then the kept groups' episodes as training
     samples (one per trajectory, or per turn with rollout.context=window), shared out so that ranks hold equal
     numbers of groups. Only kept episodes are converted; they are returned too, as played here."""
+    from vagen.batch_plan import plan_groups, share_groups
     from vagen.trajectory import episode_samples
-    from vagen.update import plan_groups, share_groups
 
     plan = plan_groups([ep.total_reward for ep in played], [ep.group_id for ep in played], cfg, dist.rank,
                        dist.world_size, tasks=[ep.task for ep in played])  # groups ranked within their task
@@ -375,8 +375,8 @@ def staleness(episodes: list, version: int, dist) -> dict[str, float]:
 @dataclass
 class EveryRank:
     """A rank's own state in the checkpoint (`tracked`): every rank's, gathered when saved (a collective: every
-    rank saves together), and each rank's own taken back. A checkpoint of another number of ranks gives none
-    back: the admission then numbers groups as the synchronous run does (`Admission.resume`)."""
+    rank saves together), and each rank's own taken back. From a checkpoint of another number of ranks the owner
+    reads every rank's (`load_ranks`, as the admission counts do: `vagen.staleness.Admission.load_ranks`)."""
     owner: object
     dist: object
 
@@ -388,13 +388,28 @@ class EveryRank:
     def load_state_dict(self, state: dict) -> None:
         if len(state["ranks"]) == self.dist.world_size:
             self.owner.load_state_dict(state["ranks"][self.dist.rank])
+        else:
+            self.owner.load_ranks(state["ranks"])
 
 
 def saves_at(it: int, cfg) -> bool:
     """Whether iteration `it` ends with a checkpoint (`vagen.run.RunDir.maybe_save`, unless forced by failing
-    steps): its rollout then ends every group it started, so that the checkpoint holds no carried episode."""
+    steps): its rollout then ends every group it started, so that the checkpoint holds no carried episode
+    (`rollouts_to_save`). A forced save holds the groups in flight then; a run resumed from it skips their levels
+    (`vagen.staleness.Admission.load_state_dict`)."""
     every = cfg.train.save_every
     return it + 1 == cfg.train.iterations or (every > 0 and (it + 1) % every == 0)
+
+
+def rollouts_to_save(it: int, cfg) -> int:
+    """The rollouts from iteration `it`'s to the one before the next scheduled checkpoint, both counted (1: this
+    iteration saves), looking k + 1 ahead at rollout.max_staleness = k; 0 when none is that near. The admission
+    winds down over them (`vagen.staleness.Admission.limit`), so that the checkpoint holds no carried episode
+    while every update trains the same number of groups."""
+    for ahead in range(cfg.rollout.max_staleness + 1):
+        if it + ahead < cfg.train.iterations and saves_at(it + ahead, cfg):
+            return ahead + 1
+    return 0
 
 
 def prepare(samples: list, cfg, dist, models: Models) -> dict:
@@ -403,7 +418,9 @@ def prepare(samples: list, cfg, dist, models: Models) -> dict:
     from vagen.update import annotate, compute_advantages
 
     t0 = time.perf_counter()
-    models.actor.module.train()
+    # Eval mode: dropout (model.lora_dropout) would otherwise put noise into the proximal policy's log-probs, and
+    # so into every decoupled-PPO weight and the first PPO ratio, and into the critic's values.
+    set_mode(models, training=False)
     annotate(samples, models.actor, models.critic, models.reference, cfg, models.encoder.pad_id, dist.device,
              suppress_ids=models.encoder.suppress_ids)
     stats = compute_advantages(samples, cfg)
@@ -411,12 +428,20 @@ def prepare(samples: list, cfg, dist, models: Models) -> dict:
     return stats
 
 
+def set_mode(models: Models, training: bool) -> None:
+    """The actor and the critic in train mode (the update) or eval mode (annotation); the reference is always in
+    eval mode."""
+    for engine in (models.actor, models.critic):
+        if engine is not None:
+            engine.module.train(training)
+
+
 def train_on(samples: list, cfg, it: int, dist, models: Models, generator, bad_steps_in_a_row: int) -> dict:
     """The PPO update over prepared samples (the critic alone during `train.critic_warmup`); returns its
     metrics and timing."""
     from vagen.update import ppo_update
 
-    models.actor.module.train()
+    set_mode(models, training=True)
     t0 = time.perf_counter()
     stats = dict(ppo_update(models.actor, models.critic, samples, cfg, models.encoder.pad_id, dist.device,
                             dist.world_size, generator, update_actor=it >= cfg.train.critic_warmup,

@@ -118,15 +118,17 @@ def ppo_policy_loss(
 
     Args:
         logprobs: [B, L] current policy log-probs (with grad).
-        old_logprobs: [B, L] behaviour-policy log-probs.
+        old_logprobs: [B, L] the old policy's log-probs, which the ratio is taken against: the trainer's own,
+            computed before the update (with decoupled PPO the proximal policy's; the sampler's, the behaviour
+            policy's, enter only through `weights`).
         advantages: [B, L].
         mask: [B, L] bool or 0/1, tokens that get policy gradient (usually adv_mask).
         clip_low, clip_high: clip range below / above 1 (e.g. clip_high=0.28 for clip-higher).
         dual_clip: c > 1 bounding the loss of negative-advantage tokens at -A * c, or None.
         agg: one of AGG_MODES.
         norm_tokens, denominator: see `aggregate_loss`.
-        weights: [B, L] per-token weights of the loss before aggregation, or None (truncated importance
-            sampling: min(p_old / p_behaviour, C) where another engine sampled).
+        weights: [B, L] per-token weights of the loss before aggregation, or None (importance weights
+            p_old / p_behaviour where another engine or an older policy sampled, clamped at C or masked above it).
 
     Returns:
         (loss 0-dim tensor, metrics) with metrics over masked-in tokens:

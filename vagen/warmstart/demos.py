@@ -242,7 +242,7 @@ def view_reasoning(env, actions: list[str], rng: np.random.Generator) -> dict[st
     if env.name != "navigation":
         raise ValueError(f"no view reasoning for env {env.name!r}: it is written for navigation; use another "
                          f"sft.reasoning, or add a view_words function for it")
-    from vagen.warmstart.navigation_questions import view_words
+    from envs_visual.navigation_teacher import view_words
 
     return {"reasoning": f"{view_words(env)} {_decision(actions, 'take', rng)}"}
 

@@ -20,37 +20,19 @@ is in view 40% of the time, at episode starts 22%).
 from __future__ import annotations
 
 import itertools
-import math
 
 import numpy as np
 
+from envs_visual.navigation_teacher import (  # noqa: F401 (what the frame shows, in the teacher's words)
+    SIDES,
+    STEP_WORDS,
+    TOKEN_PIXELS,
+    ahead_degrees,
+    steps_ahead,
+    target_side,
+    view_words,
+)
 from vagen.warmstart.perception import Probe
-
-SIDES = ("not in view", "on my left", "ahead", "on my right")
-STEP_WORDS = ("no steps", "1 step", "2 steps", "3 or more steps")
-TOKEN_PIXELS = 28  # one image token of the built-in model and Qwen2-VL: 14-px patches merged 2x2
-
-
-def ahead_degrees(env) -> float:
-    """Half the width of "ahead" in degrees: one token column of the frame on either side of its centre
-    (the horizontal field of view split into `image_width / 28` columns; one column when narrower)."""
-    half_fov = math.degrees(math.atan(math.tan(math.radians(env.fov) / 2) * env.image_width / env.image_height))
-    columns = max(2, env.image_width // TOKEN_PIXELS)
-    return 2 * half_fov / columns
-
-
-def target_side(env) -> int:
-    """SIDES index of the target seen from the env's pose: 0 when it is not in view."""
-    seen = env._target_in_view()
-    if seen is None:
-        return 0
-    bearing, width = seen["bearing"], ahead_degrees(env)
-    return 2 if abs(bearing) <= width else 1 if bearing > 0 else 3
-
-
-def steps_ahead(env) -> int:
-    """Free `moveahead` steps from the env's pose, 3 meaning three or more."""
-    return min(env.free_steps(limit=3)["ahead"], 3)
 
 
 def side_question(target: str) -> str:
@@ -60,17 +42,6 @@ def side_question(target: str) -> str:
 
 def steps_question() -> str:
     return "How many steps can you move ahead? 0, 1, 2, or 3 = three or more.\n<image>"
-
-
-def view_words(env) -> str:
-    """What the frame shows, as a demonstration's `<think>` states it: where the target is and how far
-    the agent can walk ahead, e.g. "The red table is on my left. 2 steps free ahead." No distances: the
-    frame's 16-36 tokens cannot give them."""
-    target = env.level.objects[env.level.target].description
-    side = target_side(env)
-    where = f"The {target} is not in view." if side == 0 else f"The {target} is {SIDES[side]}."
-    steps = steps_ahead(env)
-    return f"{where} {'Wall ahead' if steps == 0 else STEP_WORDS[steps].capitalize() + ' free ahead'}."
 
 
 def teacher_pose(env, rng: np.random.Generator, max_actions: int = 15) -> None:

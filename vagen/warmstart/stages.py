@@ -26,7 +26,7 @@ def perception_stage(model, encoder, cfg, dist, log=print) -> dict[str, float]:
     """The first stage of a warm start from frames: up to `sft.perception_steps` steps (constant
     learning rate, `sft.lr`) on `vagen.warmstart.perception` questions about `sft.perception_levels` levels,
     until held-out accuracy reaches PERCEPTION_TARGET. Trains `model` in place; returns stats."""
-    from vagen.warmstart import sft as warm
+    from vagen.warmstart import loop as warm
     from vagen.warmstart.demos import eval_level_keys
     from vagen.warmstart.perception import question_sample, stage_probes
 
@@ -92,7 +92,7 @@ def cell_question_stage(model, encoder, cfg, dist, train_samples, val_samples, l
     (`vagen.warmstart.perception.cell_probes`). The demonstrations name only the cells next to the player;
     these questions make the model read the cells that a turn's later moves enter. Returns the
     engine and stats."""
-    from vagen.warmstart import sft as warm
+    from vagen.warmstart import loop as warm
 
     sft = cfg.sft
     t0 = time.perf_counter()
@@ -163,7 +163,7 @@ def on_policy_stage(model, encoder, cfg, dist, train_samples, policy: str = "tea
     demonstrations. Demonstrations alone show only the teacher's own histories, while RL samples
     after the model's; this stage trains on those. Returns the engine and stats."""
     from vagen.rollout import make_env, rollout_metrics
-    from vagen.warmstart import sft as warm
+    from vagen.warmstart import loop as warm
     from vagen.warmstart.demos import distinct_levels, eval_level_keys
 
     sft = cfg.sft
