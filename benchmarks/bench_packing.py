@@ -40,18 +40,6 @@ SETTINGS = {
 }
 
 
-def peak() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM not in /proc/self/status")
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:  # 5: resets VmHWM to the current resident size
-        handle.write("5")
-
-
 def trajectories(model, processor, config: str, max_turns: int, budget: int, count: int, seed: int = 0):
     """`count` samples of 1..max_turns turns (cycling), each turn a real frame of the environment and a
     random response of budget/2..budget tokens."""
@@ -94,6 +82,7 @@ def trajectories(model, processor, config: str, max_turns: int, budget: int, cou
 
 def worker(model_path: str, config: str, max_turns: int, budget: int, count: int, overrides: list[str]) -> dict:
     import torch
+    from bench_annotate import peak, reset_peak
 
     from vagen.batch_plan import micro_batch_tokens, micro_batches
     from vagen.config import load_config

@@ -67,3 +67,22 @@ def reference_update(model, samples, minibatches: list[list[int]], cfg, pad_id: 
         (pg_loss - algo.entropy_coef * entropy).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         optimizer.step()
+
+
+def assert_update_equals_plain(model, reference, samples, cfg, pad_id: int, distributed) -> None:
+    """`vagen.update.ppo_update` of `model` (through an SGD engine, mini-batches 0-7 and 8-11 unshuffled) moves
+    its weights where `reference_update` moves `reference`, a copy of it, to float32 tolerance, and by more
+    than that tolerance."""
+    from vagen.update import annotate, ppo_update
+
+    engine = sgd_engine(model, cfg, distributed)
+    annotate(samples, engine, None, None, cfg, pad_id, distributed.device)
+    ppo_update(engine, None, samples, cfg, pad_id, distributed.device, shuffle=False)
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    reference_update(reference, samples, [list(range(8)), list(range(8, 12))], cfg, pad_id)
+    moved = 0.0
+    for name, expected in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], expected, atol=1e-6, rtol=0, msg=name)
+        moved = max(moved, float((expected - initial[name]).abs().max()))
+    assert moved > 1e-3
+
