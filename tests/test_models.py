@@ -62,7 +62,10 @@ def test_assets_names_a_shipped_warm_start(tiny_text, tmp_path, monkeypatch):
     path, _, _ = tiny_text
     shutil.copytree(path, tmp_path / "checkpoints" / "mini_text")
     (tmp_path / "checkpoints" / "unfinished").mkdir()  # no config.json: not a checkpoint
-    monkeypatch.setattr(vagen.config, "checkpoints_dir", lambda: tmp_path / "checkpoints")
+    import vagen.config_checks
+
+    for module in (vagen.config, vagen.config_checks):  # where the loader and the checks look it up
+        monkeypatch.setattr(module, "checkpoints_dir", lambda: tmp_path / "checkpoints")
     assert vagen.config.shipped_checkpoints() == ["mini_text"]
     assert resolve_model_path("assets:mini_text") == tmp_path / "checkpoints" / "mini_text"
     model, _ = load_policy(resolve_model_path("assets:mini_text"))
