@@ -580,3 +580,23 @@ def test_a_foreign_server_gets_env_remote_config_and_no_vagen_environment_is_bui
             pool.close()
     connect = LiteLikeServer.json_part(lite.requests[0][1], lite.requests[0][2])
     assert connect["env_config"] == {"eval_set": "base", "max_actions_per_step": 5} and connect["seed"] == 11
+
+
+def test_evaluation_over_http_plays_the_episodes_of_a_local_evaluation(shared, tmp_path, capsys):
+    """`python -m vagen.eval ... env.backend=http env.urls=[...]` plays its levels in sessions on the server: the
+    same episodes, success and baselines as with environments built in the evaluating process, no video."""
+    import json
+
+    from vagen.eval import main as evaluate_main
+
+    common = ["--config", "sokoban_visual", "--checkpoint", "assets:sokoban_visual", "--episodes", "3"]
+    short = ["rollout.max_turns=2", "log.progress=false"]
+    assert evaluate_main([*common, "--videos", "0", "--out", str(tmp_path / "local"), *short]) == 0
+    assert evaluate_main([*common, "--videos", "1", "--out", str(tmp_path / "http"), *short, "env.backend=http",
+                          f"env.urls=[{shared.url}]"]) == 0
+    assert "env.backend=http: no videos" in capsys.readouterr().out
+    local, remote = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("local", "http"))
+    assert remote["episodes"] == local["episodes"] and remote["model"] == local["model"]
+    assert remote["reference"] == local["reference"] and len(remote["episodes"]) == 3
+    assert not (tmp_path / "http" / "videos").exists()
+    assert httpx.get(f"{shared.url}/sessions").json()["num_sessions"] == 0  # every session closed

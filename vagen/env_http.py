@@ -309,14 +309,23 @@ class HttpEnvWorkers:
     def step(self, index: int, text: str) -> None:
         self._submit(index, "step", text)
 
+    def check_idle(self) -> None:
+        """Nothing to replace before a rollout: a session its server lost while idle (reaped, or the server
+        restarted) answers its next request with 404 or not at all, and is replayed in a new session then."""
+
     def busy(self) -> bool:
         with self.lock:
             return self.in_flight > 0 or not self.ready.empty()
 
-    def answers(self, block: bool = False) -> list[Answer]:
+    def answers(self, block: bool = False, timeout: float | None = None) -> list[Answer]:
+        """The answers that arrived; with `block`, at least one when any request is still running, or none
+        once `timeout` seconds have passed (None: until one comes; each request has its own env.http_timeout)."""
         out = []
         if block and self.busy():
-            out.append(self.ready.get())
+            try:
+                out.append(self.ready.get(timeout=timeout))
+            except queue.Empty:
+                return out
         while True:
             try:
                 out.append(self.ready.get_nowait())

@@ -177,10 +177,19 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
     seeds = list(seeds) if explicit else eval_seeds(episodes)
     served = isinstance(decoder, APIDecoder)  # a served model: episodes may end as model errors
     mine = seeds[rank::world]
-    envs = [make_env(cfg.env) for _ in mine]
-    video_seeds = set(seeds[:videos])
-    for env, seed in zip(envs, mine):
-        env.record_frames = seed in video_seeds
+    remote = cfg.env.backend == "http"  # episodes played in sessions on environment servers
+    if remote:
+        from vagen.rollout import make_envs
+
+        envs, video_seeds = make_envs(cfg.env, len(mine)), set()  # the servers' frames stay on the servers
+        if videos and (rank == 0):
+            print("env.backend=http: no videos (the servers keep the frames a video draws); the episode browser "
+                  "shows what the policy saw", flush=True)
+    else:
+        envs = [make_env(cfg.env) for _ in mine]
+        video_seeds = set(seeds[:videos])
+        for env, seed in zip(envs, mine):
+            env.record_frames = seed in video_seeds
     was_training = model is not None and model.training
     if model is not None:
         model.eval()
@@ -203,7 +212,7 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
             record["env_error"] = ep.error
             record["replies"] = decoder.replies_of(ep)  # uncut, with finish_reason ("length": the budget cut it)
     references = {}
-    if with_baselines:
+    if with_baselines and not (remote and cfg.env.remote_config):  # a foreign server's env has no local twin
         for policy in REFERENCE_POLICIES:
             rows = [play_reference(cfg, seed, policy) for seed in mine]
             references[policy] = [r for r in rows if r is not None]
@@ -212,7 +221,7 @@ def evaluate(model, encoder, cfg, episodes: int, out_dir: Path, videos: int = 0,
     for ep in played:
         if ep.seed in video_seeds:
             written += write_video(cfg, ep, out_dir / "videos")
-    for env in envs:
+    for env in envs if isinstance(envs, list) else [envs]:
         if hasattr(env, "close"):
             env.close()
     records = sorted(_gather(records, dist), key=lambda r: r["seed"])
