@@ -10,6 +10,7 @@ own episodes over the update.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,9 @@ import pytest
 from child_env import child_env
 from test_vllm import require_vllm
 
-from vagen.config import checkpoints_dir, load_configs
+from vagen.config import checkpoints_dir, load_configs, task_configs
 from vagen.decoding_vllm import VLLMDecoder
-from vagen.episode import ChatEncoder
+from vagen.episode import ChatEncoder, train_seeds
 from vagen.models import load_policy
 from vagen.rollout import close_envs
 from vagen.tasks import TaskRollouts
@@ -127,3 +128,63 @@ def test_each_task_carries_its_own_episodes_over_updates_at_most_k_old(tmp_path)
             for key in ("success", "reward_mean", "turns", "format_ok"):
                 assert f"rollout/{name}/{key}" in r, (name, key)
     assert all(not state["in_flight"] for state in rollouts[-1]["tasks"].values())  # drained before the checkpoint
+
+
+@pytest.mark.slow  # two gloo ranks, then one, each with its engine (~4 min idle)
+def test_each_tasks_staleness_survives_a_forced_save_and_a_change_of_rank_count(tmp_path):
+    """rollout.max_staleness=1 over two text tasks on two gloo ranks (each rank holds one group of each task); every
+    step of iteration 1 fails (train.max_bad_steps=1), so the run stops with a checkpoint saved while groups were in
+    flight. Resumed on one rank (`train.resume=auto`, the admission counts of both ranks joined by
+    `TaskAdmissions.load_ranks`), each task skips every level the two ranks had admitted, goes on with the next
+    levels of the synchronous run's order, and still carries episodes over updates: k = 1 intact, no level trained
+    twice."""
+    require_vllm()
+    tasks = tmp_path / "two_text_tasks.yaml"
+    tasks.write_text("rollout:\n  tasks: [{config: sokoban_text, groups: 2}, {config: frozenlake_text, groups: 2}]\n")
+    overrides = [str(tasks), "model.path=assets:sokoban_text", "rollout.backend=vllm", "algo.rollout_correction=tis",
+                 "rollout.max_staleness=1", "train.iterations=4", "train.seed=3", "rollout.group_size=2",
+                 "rollout.max_turns=5", "rollout.max_new_tokens=48", "train.mini_batch_size=4",
+                 "train.micro_batch_size=2", "train.max_bad_steps=1", "eval.every=0", "log.progress=false",
+                 "train.dist_timeout_minutes=5", f"train.run_dir={tmp_path}", "train.run_name=run"]
+    worker = Path(__file__).parent / "tasks_worker.py"
+    first, later = tmp_path / "first.jsonl", tmp_path / "later.jsonl"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    stopped = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                              str(port), str(worker), "--record", str(first), "--nan-from", "1", "--config",
+                              *overrides], env=child_env(), capture_output=True, text=True, timeout=900)
+    assert stopped.returncode != 0, stopped.stdout[-3000:] + stopped.stderr[-5000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    state = json.loads((checkpoints / (checkpoints / "latest").read_text() / "trainer_state.json").read_text())
+    assert state["ranks"] == 2
+    saved = state["admission"]["ranks"]
+    assert len(saved) == 2
+    names = ("sokoban_text", "frozenlake_text")
+    assert any(rank["tasks"][name]["started"] > rank["tasks"][name]["ended"] for rank in saved for name in names)
+    admitted = {name: max(rank["tasks"][name]["started"] for rank in saved) for name in names}  # per rank, 1 group
+    played = {name: set() for name in names}
+    for rank in (0, 1):
+        for rollout in map(json.loads, Path(f"{first}.rank{rank}").read_text().splitlines()):
+            for ep in rollout["episodes"]:
+                played[ep["task"]].add(ep["seed"])
+    resumed = subprocess.run([sys.executable, str(worker), "--record", str(later), "--config", *overrides,
+                              "train.resume=auto"], env=child_env(), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, \
+        resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    assert "resuming from" in resumed.stdout
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in metrics] == [0, 1, 2, 3][: len(metrics)] and metrics[-1]["iteration"] == 3
+    rollouts = [json.loads(line) for line in later.read_text().splitlines()]
+    cfg = load_configs(str(tasks), overrides[1:])
+    subs = dict(task_configs(cfg))
+    for name in names:
+        sub = subs[name]
+        # two ranks of one group each admitted `admitted` groups apiece: 2 x admitted of the task's order, i.e.
+        # iterations 0 .. admitted - 1 of its 2 groups; the resumed run's first update trains iteration `admitted`'s
+        first_levels = {ep["seed"] for ep in rollouts[0]["episodes"] if ep["task"] == name}
+        assert first_levels == set(train_seeds(admitted[name], 2, sub.train.seed)), (name, admitted, first_levels)
+        trained = [ep["seed"] for r in rollouts for ep in r["episodes"] if ep["task"] == name]
+        assert not set(trained) & played[name]
+    assert any(r["rollout/carried_episodes"] > 0 for r in metrics[-len(rollouts):-1])  # k = 1 after the resumption
+    assert all(r["rollout/filter_total_groups"] == 4 for r in metrics)
