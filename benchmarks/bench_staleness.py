@@ -14,11 +14,16 @@ tests/test_agent_loop.py does); turns of up to `--max-new-tokens` (256) tokens, 
 Each configuration runs in a process of its own; for each seed the configurations run one after another,
 so that a ratio against k = 0 compares runs close in time on a machine whose load changes.
 
-Measured over the steady iterations: all but the first (the engine's warm-up, and with k > 0 the admission
-of (k + 1) x the groups) and the last (which plays every group admitted to its end before the final
-checkpoint):
+Every update trains exactly B = `--groups` level groups at every k (docs/training.md, "Rollouts carried
+across updates"): the synchronous run's groups of that iteration, the same levels and request seeds, so the
+trained turns are the same episodes at every k but for what the differing weights choose; k changes when a
+group is played, not how many are trained. Measured over the steady iterations: all but the first (the
+engine's warm-up, and with k > 0 the admission of (k + 1) x B groups) and the last (which plays every group
+admitted to its end before the final checkpoint). The j-th rollout before that checkpoint keeps at most j x B
+groups in flight, which at k = 2 limits one steady rollout (the last but one: 2 x B, not 3 x B):
 - forward passes per trained turn: scheduler steps that ran at least one request, over the turns of the
-  episodes the updates trained;
+  episodes the updates trained. A rollout also decodes turns of groups trained by a later update (carried, or
+  ended and waiting), so over few iterations the ratio to k = 0 moves with the window's edges;
 - sequences per pass: requests those passes ran;
 - tokens computed per trained turn: the tokens those passes computed (prompt tokens the prefix cache did not
   hold, and generated ones); a carried episode's history is computed again after the update, whose weight
@@ -27,12 +32,15 @@ checkpoint):
   (stepping environments, waiting for their answers, admitting requests); and in the iteration: the same
   over the whole iteration (the update and the weight sync included);
 - seconds per trained sample: the rollouts' wall time, the rest of the iterations' (annotation, update, weight
-  sync: "update"), and the whole iterations', over the samples trained. Staleness does not change the update's
-  work per sample, so on a machine shared with other jobs its ratio to k = 0 gauges how the load differed
-  between the two runs;
-- samples per update, and the episodes left waiting for the next weights at each update. Every group that has
-  ended when a rollout closes is trained: where episodes move in step, all (k + 1) x B groups in flight end
-  together and each update trains them all, carrying nothing.
+  sync: "update"), and the whole iterations', over the samples trained. The update's work is the same at every
+  k (the same samples, the same optimizer steps), so on a machine shared with other jobs its ratio to k = 0
+  gauges how the load differed between the two runs;
+- samples per update (B x `--group-size` at every k, fewer only where StarPO-S filters groups out), the
+  optimizer steps per update (`update/optimizer_steps`, printed per run), and the episodes left waiting for the
+  next weights at each update (`rollout/carried_episodes`: episodes carried mid-way, those of groups that ended
+  but are not yet due, and those of admitted groups not yet at their first turn). Where episodes move in step,
+  the groups admitted with the due ones end with them and at k = 1 every other rollout finds its groups ended
+  already: it admits the next ones, which wait for the next weights before their first turn.
 """
 
 from __future__ import annotations
@@ -130,7 +138,8 @@ def child(out: Path, train_args: list[str]) -> int:
         logged = metrics.get(record["iteration"], {})
         record.update({key: logged[key] for key in ("timing/iteration", "rollout/carried_episodes",
                                                     "rollout/staleness_max", "rollout/staleness_mean",
-                                                    "rollout/success", "actor/tis_clamped_fraction") if key in logged})
+                                                    "rollout/success", "actor/tis_clamped_fraction",
+                                                    "update/optimizer_steps") if key in logged})
     out.write_text(json.dumps({"code": code, "iterations": iterations}))
     return code
 
@@ -158,6 +167,7 @@ def summarise(iterations: list[dict]) -> dict:
         "s_per_sample": iteration_s / max(total("samples"), 1),
         "carried": total("rollout/carried_episodes") / len(steady),
         "samples_per_update": total("samples") / len(steady),
+        "optimizer_steps": sum(r.get("update/optimizer_steps", 0.0) for r in steady) / len(steady),
         "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in iterations),
         "samples": total("samples"),
     }
@@ -314,7 +324,8 @@ def run_one(work: Path, model: Path, env: str, k: int, seed: int, args) -> list[
     s = summarise(iterations)
     print(f"{env} k={k} seed={seed}: {time.perf_counter() - t0:.0f} s; {s['iterations']} steady iterations: "
           f"{s['passes_per_turn']:.2f} passes/turn, {s['sequences_per_pass']:.1f} seq/pass, engine idle "
-          f"{s['idle_rollout']:.1%} of the rollout, {s['s_per_sample']:.3f} s/sample, carried {s['carried']:.1f}, "
+          f"{s['idle_rollout']:.1%} of the rollout, {s['s_per_sample']:.3f} s/sample, {s['samples_per_update']:.1f} "
+          f"samples and {s['optimizer_steps']:.1f} optimizer steps per update, carried {s['carried']:.1f}, "
           f"staleness max {s['staleness_max']:.0f}", flush=True)
     return iterations
 

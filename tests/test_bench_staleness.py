@@ -12,7 +12,7 @@ bench = load("bench_staleness")
 def _iteration(passes, sequences, step_s, rollout_s, iteration_s, turns, samples, carried=0.0, staleness=0.0):
     return {"passes": passes, "sequences": sequences, "tokens": 10 * sequences, "step_s": step_s, "rollout_s": rollout_s,
             "timing/iteration": iteration_s, "trained_turns": turns, "samples": samples,
-            "rollout/carried_episodes": carried, "rollout/staleness_max": staleness}
+            "rollout/carried_episodes": carried, "rollout/staleness_max": staleness, "update/optimizer_steps": 1.0}
 
 
 # k = 0: four iterations, the middle two steady; k = 1 plays the same turns in fewer, fuller passes
@@ -30,7 +30,8 @@ def test_a_run_is_measured_over_its_steady_iterations():
     assert bench.summarise(SYNCHRONOUS) == {
         "iterations": 2, "passes_per_turn": 300 / 200, "sequences_per_pass": 6000 / 300, "tokens_per_turn": 60000 / 200,
         "idle_rollout": 1 - 9.0 / 12.0, "idle_iteration": 1 - 9.0 / 32.0, "rollout_s_per_sample": 12.0 / 64, "other_s_per_sample": 20.0 / 64,
-        "s_per_sample": 32.0 / 64, "carried": 0.0, "samples_per_update": 32.0, "staleness_max": 0.0, "samples": 64}
+        "s_per_sample": 32.0 / 64, "carried": 0.0, "samples_per_update": 32.0, "optimizer_steps": 1.0, "staleness_max": 0.0,
+        "samples": 64}
     carried = bench.summarise(CARRIED)
     assert (carried["passes_per_turn"], carried["sequences_per_pass"]) == (150 / 200, 5400 / 150)
     assert (carried["carried"], carried["staleness_max"], carried["samples"]) == (15.0, 1.0, 64)
