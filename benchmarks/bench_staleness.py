@@ -132,7 +132,11 @@ def child(out: Path, train_args: list[str]) -> int:
     instrument(iterations)
     code = leave_process_group(main(train_args))
     run_dir = Path(next(arg.split("=", 1)[1] for arg in train_args if arg.startswith("train.run_dir=")))
-    run = sorted(p for p in run_dir.iterdir() if p.is_dir())[-1]
+    runs = [p for p in run_dir.iterdir() if p.is_dir()]
+    if len(runs) != 1:
+        raise SystemExit(f"{run_dir} holds {len(runs)} runs ({', '.join(p.name for p in runs)}); expected the one "
+                         f"this configuration trained: give each configuration a train.run_dir of its own")
+    run = runs[0]
     metrics = {r["iteration"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     for record in iterations:
         logged = metrics.get(record["iteration"], {})
@@ -305,7 +309,9 @@ def run_one(work: Path, model: Path, env: str, k: int, seed: int, args) -> list[
                   f"rollout.max_staleness={k}", f"train.seed={seed}", f"train.iterations={args.iterations}",
                   f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
                   f"rollout.max_new_tokens={args.max_new_tokens}", "eval.every=0", "eval.before_training=false",
-                  "log.progress=false", "train.save_every=0", f"train.run_dir={work / 'runs'}", *ENV_OVERRIDES[env]]
+                  "log.progress=false", "train.save_every=0",
+                  # a folder of its own: `child` reads the one run in it, not another configuration's
+                  f"train.run_dir={work / 'runs' / f'{env}_k{k}_s{seed}'}", *ENV_OVERRIDES[env]]
     root = str(Path(__file__).resolve().parents[1])
     python_path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     t0 = time.perf_counter()
