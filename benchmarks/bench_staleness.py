@@ -21,20 +21,23 @@ group is played, not how many are trained. Measured over the steady iterations: 
 engine's warm-up, and with k > 0 the admission of (k + 1) x B groups) and the last (which plays every group
 admitted to its end before the final checkpoint). The j-th rollout before that checkpoint keeps at most j x B
 groups in flight, which at k = 2 limits one steady rollout (the last but one: 2 x B, not 3 x B):
-- forward passes per trained turn: scheduler steps that ran at least one request, over the turns of the
-  episodes the updates trained. A rollout also decodes turns of groups trained by a later update (carried, or
-  ended and waiting), so over few iterations the ratio to k = 0 moves with the window's edges;
+- forward passes per trained turn: scheduler steps that ran at least one request, over the turns the steady
+  rollouts played (one request each). Every turn played is trained once, by its group's update, so over a run
+  the two counts are equal; over a window of a few iterations at k > 0 they are not: a rollout decodes turns
+  that a later update trains (where episodes move in step, every other rollout at k = 1 decodes two batches
+  and the next decodes none), so a count over the turns trained in the window would move by a whole batch;
 - sequences per pass: requests those passes ran;
 - tokens computed per trained turn: the tokens those passes computed (prompt tokens the prefix cache did not
-  hold, and generated ones); a carried episode's history is computed again after the update, whose weight
-  sync empties the cache;
+  hold, and generated ones), over the turns played; a carried episode's history is computed again after the
+  update, whose weight sync empties the cache;
 - engine idle in the rollout: the share of the rollouts' wall time the engine was not inside a `step`
   (stepping environments, waiting for their answers, admitting requests); and in the iteration: the same
-  over the whole iteration (the update and the weight sync included);
-- seconds per trained sample: the rollouts' wall time, the rest of the iterations' (annotation, update, weight
-  sync: "update"), and the whole iterations', over the samples trained. The update's work is the same at every
-  k (the same samples, the same optimizer steps), so on a machine shared with other jobs its ratio to k = 0
-  gauges how the load differed between the two runs;
+  over the whole iteration (the update and the weight sync included), with the rollouts' seconds scaled as
+  below;
+- seconds per trained sample: the rollouts' wall time (per turn played, times the turns the window's updates
+  trained), the rest of the iterations' (annotation, update, weight sync: "update"), and their sum, over the
+  samples trained. The update's work is the same at every k (the same samples, the same optimizer steps), so
+  on a machine shared with other jobs its ratio to k = 0 gauges how the load differed between the two runs;
 - samples per update (B x `--group-size` at every k, fewer only where StarPO-S filters groups out), the
   optimizer steps per update (`update/optimizer_steps`, printed per run), and the episodes left waiting for the
   next weights at each update (`rollout/carried_episodes`: episodes carried mid-way, those of groups that ended
@@ -152,23 +155,30 @@ def child(out: Path, train_args: list[str]) -> int:
 
 def summarise(iterations: list[dict]) -> dict:
     """The measures of one run over its steady iterations (all but the first and the last; all when there are
-    fewer than three): sums over them, then the ratios (module docstring)."""
+    fewer than three): sums over them, then the ratios (module docstring). The rollouts' counts and seconds are
+    taken per turn they played (one request each) and scaled to the turns the window's updates trained: at k > 0
+    a rollout also decodes turns that an update after the window trains, or an update trains turns decoded
+    before it, and the two differ by a whole batch in a window of a few iterations."""
     steady = iterations[1:-1] if len(iterations) >= 3 else iterations
 
     def total(key):
         return sum(r[key] for r in steady)
 
-    passes, iteration_s = total("passes"), total("timing/iteration")
+    passes, iteration_s, samples = total("passes"), total("timing/iteration"), max(total("samples"), 1)
+    played, trained = max(total("requests"), 1), total("trained_turns")
+    # the rollouts' time for the trained turns, and the engine's within it: per turn played, times the turns trained
+    rollout_s, step_s = total("rollout_s") * trained / played, total("step_s") * trained / played
+    other_s = iteration_s - total("rollout_s")  # the updates': one per iteration, B groups each
     return {
         "iterations": len(steady),
-        "passes_per_turn": passes / max(total("trained_turns"), 1),
+        "passes_per_turn": passes / played,
         "sequences_per_pass": total("sequences") / max(passes, 1),
-        "tokens_per_turn": total("tokens") / max(total("trained_turns"), 1),
+        "tokens_per_turn": total("tokens") / played,
         "idle_rollout": 1.0 - total("step_s") / max(total("rollout_s"), 1e-9),
-        "idle_iteration": 1.0 - total("step_s") / max(iteration_s, 1e-9),
-        "rollout_s_per_sample": total("rollout_s") / max(total("samples"), 1),
-        "other_s_per_sample": (iteration_s - total("rollout_s")) / max(total("samples"), 1),
-        "s_per_sample": iteration_s / max(total("samples"), 1),
+        "idle_iteration": 1.0 - step_s / max(rollout_s + other_s, 1e-9),
+        "rollout_s_per_sample": rollout_s / samples,
+        "other_s_per_sample": other_s / samples,
+        "s_per_sample": (rollout_s + other_s) / samples,
         "carried": total("rollout/carried_episodes") / len(steady),
         "samples_per_update": total("samples") / len(steady),
         "optimizer_steps": sum(r.get("update/optimizer_steps", 0.0) for r in steady) / len(steady),
