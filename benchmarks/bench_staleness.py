@@ -14,25 +14,36 @@ tests/test_agent_loop.py does); turns of up to `--max-new-tokens` (256) tokens, 
 Each configuration runs in a process of its own; for each seed the configurations run one after another,
 so that a ratio against k = 0 compares runs close in time on a machine whose load changes.
 
-Measured over the steady iterations: all but the first (the engine's warm-up, and with k > 0 the admission
-of (k + 1) x the groups) and the last (which plays every group admitted to its end before the final
-checkpoint):
-- forward passes per trained turn: scheduler steps that ran at least one request, over the turns of the
-  episodes the updates trained;
+Every update trains exactly B = `--groups` level groups at every k (docs/training.md, "Rollouts carried
+across updates"): the synchronous run's groups of that iteration, the same levels and request seeds, so the
+trained turns are the same episodes at every k but for what the differing weights choose; k changes when a
+group is played, not how many are trained. Measured over the steady iterations: all but the first (the
+engine's warm-up, and with k > 0 the admission of (k + 1) x B groups) and the last (which plays every group
+admitted to its end before the final checkpoint). The j-th rollout before that checkpoint keeps at most j x B
+groups in flight, which at k = 2 limits one steady rollout (the last but one: 2 x B, not 3 x B):
+- forward passes per trained turn: scheduler steps that ran at least one request, over the turns the steady
+  rollouts played (one request each). Every turn played is trained once, by its group's update, so over a run
+  the two counts are equal; over a window of a few iterations at k > 0 they are not: a rollout decodes turns
+  that a later update trains (where episodes move in step, every other rollout at k = 1 decodes two batches
+  and the next decodes none), so a count over the turns trained in the window would move by a whole batch;
 - sequences per pass: requests those passes ran;
 - tokens computed per trained turn: the tokens those passes computed (prompt tokens the prefix cache did not
-  hold, and generated ones); a carried episode's history is computed again after the update, whose weight
-  sync empties the cache;
+  hold, and generated ones), over the turns played; a carried episode's history is computed again after the
+  update, whose weight sync empties the cache;
 - engine idle in the rollout: the share of the rollouts' wall time the engine was not inside a `step`
   (stepping environments, waiting for their answers, admitting requests); and in the iteration: the same
-  over the whole iteration (the update and the weight sync included);
-- seconds per trained sample: the rollouts' wall time, the rest of the iterations' (annotation, update, weight
-  sync: "update"), and the whole iterations', over the samples trained. Staleness does not change the update's
-  work per sample, so on a machine shared with other jobs its ratio to k = 0 gauges how the load differed
-  between the two runs;
-- samples per update, and the episodes left waiting for the next weights at each update. Every group that has
-  ended when a rollout closes is trained: where episodes move in step, all (k + 1) x B groups in flight end
-  together and each update trains them all, carrying nothing.
+  over the whole iteration (the update and the weight sync included), with the rollouts' seconds scaled as
+  below;
+- seconds per trained sample: the rollouts' wall time (per turn played, times the turns the window's updates
+  trained), the rest of the iterations' (annotation, update, weight sync: "update"), and their sum, over the
+  samples trained. The update's work is the same at every k (the same samples, the same optimizer steps), so
+  on a machine shared with other jobs its ratio to k = 0 gauges how the load differed between the two runs;
+- samples per update (B x `--group-size` at every k, fewer only where StarPO-S filters groups out), the
+  optimizer steps per update (`update/optimizer_steps`, printed per run), and the episodes left waiting for the
+  next weights at each update (`rollout/carried_episodes`: episodes carried mid-way, those of groups that ended
+  but are not yet due, and those of admitted groups not yet at their first turn). Where episodes move in step,
+  the groups admitted with the due ones end with them and at k = 1 every other rollout finds its groups ended
+  already: it admits the next ones, which wait for the next weights before their first turn.
 """
 
 from __future__ import annotations
@@ -124,13 +135,18 @@ def child(out: Path, train_args: list[str]) -> int:
     instrument(iterations)
     code = leave_process_group(main(train_args))
     run_dir = Path(next(arg.split("=", 1)[1] for arg in train_args if arg.startswith("train.run_dir=")))
-    run = sorted(p for p in run_dir.iterdir() if p.is_dir())[-1]
+    runs = [p for p in run_dir.iterdir() if p.is_dir()]
+    if len(runs) != 1:
+        raise SystemExit(f"{run_dir} holds {len(runs)} runs ({', '.join(p.name for p in runs)}); expected the one "
+                         f"this configuration trained: give each configuration a train.run_dir of its own")
+    run = runs[0]
     metrics = {r["iteration"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     for record in iterations:
         logged = metrics.get(record["iteration"], {})
         record.update({key: logged[key] for key in ("timing/iteration", "rollout/carried_episodes",
                                                     "rollout/staleness_max", "rollout/staleness_mean",
-                                                    "rollout/success", "actor/tis_clamped_fraction") if key in logged})
+                                                    "rollout/success", "actor/tis_clamped_fraction",
+                                                    "update/optimizer_steps") if key in logged})
     out.write_text(json.dumps({"code": code, "iterations": iterations}))
     return code
 
@@ -139,25 +155,33 @@ def child(out: Path, train_args: list[str]) -> int:
 
 def summarise(iterations: list[dict]) -> dict:
     """The measures of one run over its steady iterations (all but the first and the last; all when there are
-    fewer than three): sums over them, then the ratios (module docstring)."""
+    fewer than three): sums over them, then the ratios (module docstring). The rollouts' counts and seconds are
+    taken per turn they played (one request each) and scaled to the turns the window's updates trained: at k > 0
+    a rollout also decodes turns that an update after the window trains, or an update trains turns decoded
+    before it, and the two differ by a whole batch in a window of a few iterations."""
     steady = iterations[1:-1] if len(iterations) >= 3 else iterations
 
     def total(key):
         return sum(r[key] for r in steady)
 
-    passes, iteration_s = total("passes"), total("timing/iteration")
+    passes, iteration_s, samples = total("passes"), total("timing/iteration"), max(total("samples"), 1)
+    played, trained = max(total("requests"), 1), total("trained_turns")
+    # the rollouts' time for the trained turns, and the engine's within it: per turn played, times the turns trained
+    rollout_s, step_s = total("rollout_s") * trained / played, total("step_s") * trained / played
+    other_s = iteration_s - total("rollout_s")  # the updates': one per iteration, B groups each
     return {
         "iterations": len(steady),
-        "passes_per_turn": passes / max(total("trained_turns"), 1),
+        "passes_per_turn": passes / played,
         "sequences_per_pass": total("sequences") / max(passes, 1),
-        "tokens_per_turn": total("tokens") / max(total("trained_turns"), 1),
+        "tokens_per_turn": total("tokens") / played,
         "idle_rollout": 1.0 - total("step_s") / max(total("rollout_s"), 1e-9),
-        "idle_iteration": 1.0 - total("step_s") / max(iteration_s, 1e-9),
-        "rollout_s_per_sample": total("rollout_s") / max(total("samples"), 1),
-        "other_s_per_sample": (iteration_s - total("rollout_s")) / max(total("samples"), 1),
-        "s_per_sample": iteration_s / max(total("samples"), 1),
+        "idle_iteration": 1.0 - step_s / max(rollout_s + other_s, 1e-9),
+        "rollout_s_per_sample": rollout_s / samples,
+        "other_s_per_sample": other_s / samples,
+        "s_per_sample": (rollout_s + other_s) / samples,
         "carried": total("rollout/carried_episodes") / len(steady),
         "samples_per_update": total("samples") / len(steady),
+        "optimizer_steps": sum(r.get("update/optimizer_steps", 0.0) for r in steady) / len(steady),
         "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in iterations),
         "samples": total("samples"),
     }
@@ -295,7 +319,9 @@ def run_one(work: Path, model: Path, env: str, k: int, seed: int, args) -> list[
                   f"rollout.max_staleness={k}", f"train.seed={seed}", f"train.iterations={args.iterations}",
                   f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
                   f"rollout.max_new_tokens={args.max_new_tokens}", "eval.every=0", "eval.before_training=false",
-                  "log.progress=false", "train.save_every=0", f"train.run_dir={work / 'runs'}", *ENV_OVERRIDES[env]]
+                  "log.progress=false", "train.save_every=0",
+                  # a folder of its own: `child` reads the one run in it, not another configuration's
+                  f"train.run_dir={work / 'runs' / f'{env}_k{k}_s{seed}'}", *ENV_OVERRIDES[env]]
     root = str(Path(__file__).resolve().parents[1])
     python_path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     t0 = time.perf_counter()
@@ -314,7 +340,8 @@ def run_one(work: Path, model: Path, env: str, k: int, seed: int, args) -> list[
     s = summarise(iterations)
     print(f"{env} k={k} seed={seed}: {time.perf_counter() - t0:.0f} s; {s['iterations']} steady iterations: "
           f"{s['passes_per_turn']:.2f} passes/turn, {s['sequences_per_pass']:.1f} seq/pass, engine idle "
-          f"{s['idle_rollout']:.1%} of the rollout, {s['s_per_sample']:.3f} s/sample, carried {s['carried']:.1f}, "
+          f"{s['idle_rollout']:.1%} of the rollout, {s['s_per_sample']:.3f} s/sample, {s['samples_per_update']:.1f} "
+          f"samples and {s['optimizer_steps']:.1f} optimizer steps per update, carried {s['carried']:.1f}, "
           f"staleness max {s['staleness_max']:.0f}", flush=True)
     return iterations
 

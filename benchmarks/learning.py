@@ -67,6 +67,9 @@ def parse_args(argv=None):
     parser.add_argument("--seeds", type=int, default=3, help="training seeds per method")
     parser.add_argument("--eval-n", type=int, default=256, help="distinct held-out levels")
     parser.add_argument("--eval-every", type=int, default=20, help="RL iterations between evaluations")
+    parser.add_argument("--max-iterations", type=int, default=None,
+                        help="stop an RL run after this many iterations even with CPU budget left (a multiple "
+                             "of --eval-every): runs compared at the same trained batches")
     parser.add_argument("--sft-steps-per-eval", type=int, default=250, help="control: SFT steps between evaluations")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (leave a core to others)")
     parser.add_argument("--jobs", type=int, default=1,
@@ -128,7 +131,7 @@ def run_rl(name, overrides, warm_start, cfg_name, seed, args, seeds, out: Path, 
     base = [f"model.path={warm_start}", f"train.seed={seed}", f"train.run_dir={out / 'runs'}",
             f"train.run_name={run_name}", f"train.save_every={args.eval_every}", "log.progress=false",
             "log.tensorboard=false", *RL_SETTINGS, *args.overrides, *overrides]
-    while cpu < args.minutes * 60:
+    while cpu < args.minutes * 60 and (args.max_iterations is None or iterations < args.max_iterations):
         resume = ["train.resume=auto"] if iterations else []
         iterations += args.eval_every
         start = time.process_time()
@@ -216,7 +219,8 @@ def run_in_children(env: str, args, out: Path) -> tuple[dict[str, dict[int, list
     parts.mkdir(parents=True, exist_ok=True)
     common = ["--envs", env, *(["--extend"] if args.extend else []), "--minutes", str(args.minutes), "--eval-n",
               str(args.eval_n), "--eval-every", str(args.eval_every), "--sft-steps-per-eval",
-              str(args.sft_steps_per_eval), "--threads", str(args.threads), "--out", str(out),
+              str(args.sft_steps_per_eval), *(["--max-iterations", str(args.max_iterations)] if args.max_iterations else []),
+              "--threads", str(args.threads), "--out", str(out),
               *(["--warm-start", args.warm_start] if args.warm_start else []), *args.overrides]
     child_env = {k: v for k, v in os.environ.items() if k not in
                  ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}

@@ -1,6 +1,9 @@
-"""Learning at rollout.max_staleness = 0 against k >= 1 at one CPU budget: two `--out` folders of
-`benchmarks/learning.py` that differ only in the staleness key (same method, warm start, training seeds and
-held-out levels), read as synchronous and carried. Prints four Markdown tables:
+"""Learning at rollout.max_staleness = 0 against k >= 1: two `--out` folders of `benchmarks/learning.py` that
+differ only in the staleness key (same method, warm start, training seeds, held-out levels and `--eval-every`),
+read as synchronous and carried. Every update trains exactly `rollout.env_groups` level groups at every k (the
+synchronous run's groups of that iteration), so the arms' n-th evaluations follow the same iterations and the
+same trained groups; what differs is when a group was played and under which weights. Prints four Markdown
+tables:
 
 - held-out success per seed at the start (the warm start) and at each run's last evaluation and its last
   within --minutes, greedy and sampled, 95% Wilson intervals;
@@ -8,8 +11,10 @@ held-out levels), read as synchronous and carried. Prints four Markdown tables:
   within --minutes: per training seed (seed s of one arm against seed s
   of the other), their mean with a 95% t interval over seeds, and the seeds' episodes pooled with Newcombe's
   interval (the same levels in both arms, so this treats paired episodes as independent: conservative);
-- the carried arm's staleness: token-weighted mean age of trained turns, the largest, episodes carried over an
-  update and trained episodes whose turns span versions, groups trained per update, TIS's clamped fraction;
+- each arm's staleness: token-weighted mean age of trained turns, the largest, episodes carried over an update
+  (`rollout/carried_episodes`: those of admitted groups not yet at their first turn and of ended groups not yet
+  due included) and trained episodes whose turns span versions, groups trained and optimizer steps per update
+  (the same in both arms), TIS's clamped fraction;
 - throughput: episodes trained per CPU-second of the training process (vLLM's engine included: it runs in the
   trainer's process) and per wall-second of its iterations, and the carried/synchronous ratio per seed pair
   with a 95% t interval.
@@ -132,8 +137,7 @@ def main(argv=None) -> int:
     print(f"\n| greedy success, {args.labels[1]} − {args.labels[0]} | per seed | mean over seeds (95% t interval) "
           f"| seeds' episodes pooled (95% Newcombe) |")
     print("| --- | --- | --- | --- |")
-    # the n-th evaluations of the two arms: the same trained episodes where --eval-every gives the carried arm's
-    # larger updates proportionally fewer iterations
+    # the n-th evaluations of the two arms: the same iterations, so the same trained groups (B per update at every k)
     shared = min(len(arm[2][seed]["curve"]) for arm in arms for seed in seeds)
     picks = [(f"evaluation {n + 1}", lambda curve, n=n: curve[n]) for n in range(shared)]
     for name, pick in picks + [("last evaluation", lambda curve: curve[-1]),
@@ -153,8 +157,8 @@ def main(argv=None) -> int:
 
     print("\n| arm | seed | iterations | staleness_mean (mean over iterations) | staleness_max (largest) "
           "| carried episodes per update (total) | cross-version episodes (share of trained) "
-          "| groups trained per update | TIS clamped fraction |")
-    print("| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+          "| groups trained per update | optimizer steps per update | TIS clamped fraction |")
+    print("| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for label, _, runs in arms:
         for seed in seeds:
             rows = runs[seed]["rows"]
@@ -166,7 +170,7 @@ def main(argv=None) -> int:
             print(f"| {label} | {seed} | {len(rows)} | {mean(values('rollout/staleness_mean')):.3f} "
                   f"| {max(values('rollout/staleness_max'), default=float('nan')):.0f} "
                   f"| {mean(carried):.2f} ({sum(carried):.0f}) | {mean(values('rollout/cross_version_episodes')):.4f} "
-                  f"| {mean(values('rollout/filter_kept_groups')):.2f} "
+                  f"| {mean(values('rollout/filter_kept_groups')):.2f} | {mean(values('update/optimizer_steps')):.2f} "
                   f"| {mean(values('actor/tis_clamped_fraction')):.4f} |")
 
     print("\n| arm | seed | episodes trained | CPU-min | episodes / CPU-s | episodes / wall-s of iterations "

@@ -26,7 +26,7 @@ def test_a_failed_run_keeps_the_curves_of_the_runs_that_finished(tmp_path, monke
 
     monkeypatch.setattr(subprocess, "Popen", Child)
     args = SimpleNamespace(methods=["TRICO", "PPO", "GRPO"], seeds=1, jobs=2, minutes=1.0, eval_n=8, eval_every=1,
-                           sft_steps_per_eval=2, threads=1, warm_start=None, overrides=[], extend=False)
+                           sft_steps_per_eval=2, max_iterations=None, threads=1, warm_start=None, overrides=[], extend=False)
     curves, failed = learning.run_in_children("frozenlake", args, tmp_path)
     assert failed == ["PPO seed 0 (exit 1)"]
     assert curves == {"TRICO": {0: [{"iteration": 20, "method": "TRICO"}]},
@@ -54,7 +54,7 @@ def test_extend_continues_a_run_from_its_last_checkpoint_and_keeps_its_curve(tmp
     run = "frozenlake_visual-TRICO-seed0"
     (tmp_path / "runs" / run / "checkpoints" / "step_40").mkdir(parents=True)
     previous = [{"iteration": 20, "cpu_minutes": 1.0}, {"iteration": 40, "cpu_minutes": 2.0}]
-    args = SimpleNamespace(minutes=3.5, eval_every=20, overrides=[])
+    args = SimpleNamespace(minutes=3.5, eval_every=20, max_iterations=None, overrides=[])
     curve = learning.run_rl("TRICO", [], "WS", "frozenlake_visual", 0, args, [1, 2], tmp_path, None, previous)
 
     assert curve[:2] == previous
@@ -64,9 +64,34 @@ def test_extend_continues_a_run_from_its_last_checkpoint_and_keeps_its_curve(tmp
         ["train.iterations=60", "train.resume=auto"], ["train.iterations=80", "train.resume=auto"]]
 
 
+def test_max_iterations_stops_a_run_with_cpu_budget_left(tmp_path, monkeypatch):
+    learning = _learning()
+    import time
+
+    import vagen.train
+
+    clock = {"cpu": 0.0}
+    calls = []
+
+    def train(argv):  # each chunk costs one CPU-minute of a 10-minute budget
+        calls.append([a for a in argv if a.startswith("train.iterations")])
+        clock["cpu"] += 60.0
+        return 0
+
+    monkeypatch.setattr(vagen.train, "main", train)
+    monkeypatch.setattr(time, "process_time", lambda: clock["cpu"])
+    monkeypatch.setattr(learning, "evaluate", lambda checkpoint, cfg, seeds: {
+        "greedy": {"success": 0.5}, "sampled": {"success": 0.25}})
+    args = SimpleNamespace(minutes=10.0, eval_every=25, max_iterations=50, overrides=[])
+    curve = learning.run_rl("GRPO", [], "WS", "frozenlake_text", 0, args, [1, 2], tmp_path, None)
+
+    assert [(p["iteration"], p["cpu_minutes"]) for p in curve] == [(25, 1.0), (50, 2.0)]
+    assert calls == [["train.iterations=25"], ["train.iterations=50"]]
+
+
 def test_extend_refuses_a_run_without_the_checkpoint_it_would_continue(tmp_path):
     learning = _learning()
-    args = SimpleNamespace(minutes=3.0, eval_every=20, overrides=[])
+    args = SimpleNamespace(minutes=3.0, eval_every=20, max_iterations=None, overrides=[])
     with pytest.raises(SystemExit, match="evaluated at iteration 40, but .* has no step_40"):
         learning.run_rl("TRICO", [], "WS", "frozenlake_visual", 0, args, [1], tmp_path, None,
                         [{"iteration": 40, "cpu_minutes": 2.0}])
@@ -174,7 +199,8 @@ def test_staleness_learning_pairs_seeds_and_counts_each_trained_iteration_once(t
         for seed, curve in curves.items():
             rows = [{"iteration": i, "rollout/filter_kept_trajectories": episodes, "timing/iteration": 2.0,
                      "rollout/staleness_mean": 0.1 * k, "rollout/staleness_max": float(k),
-                     "rollout/carried_episodes": float(k), "rollout/filter_kept_groups": episodes / 8}
+                     "rollout/carried_episodes": float(k), "rollout/filter_kept_groups": episodes / 8,
+                     "rollout/cross_version_episodes": 0.05 * k, "update/optimizer_steps": 2.0}
                     for i in range(curve[-1]["iteration"])]
             rows.insert(1, dict(rows[1], **{"timing/iteration": 99.0}))  # a chunk's first try, logged again
             run = out / "runs" / f"frozenlake_text-GRPO-seed{seed}"
@@ -195,7 +221,7 @@ def test_staleness_learning_pairs_seeds_and_counts_each_trained_iteration_once(t
     assert "| k=0 | 0 | 256 | 1.00 | 4.27 | 32.00 | 15.00 |" in out
     assert "| k=1 | 1 | 256 | 2.00 | 2.13 | 64.00 | 60.00 |" in out
     assert "episodes per CPU-s, k=1 / k=0 by seed: 1.00 / 0.50; mean 0.75" in out
-    assert "| k=1 | 0 | 2 | 0.100 | 1 | 1.00 (2) |" in out
+    assert "| k=1 | 0 | 2 | 0.100 | 1 | 1.00 (2) | 0.0500 | 16.00 | 2.00 |" in out
 
 
 def test_multitask_arms_differ_only_in_their_tasks_and_keep_the_episodes_per_iteration():
