@@ -113,6 +113,31 @@ def test_token_budgeted_and_packed_updates_equal_a_plain_update_of_whole_minibat
     assert_update_equals_plain(model, reference, samples, cfg, encoder.pad_id, distributed)
 
 
+# Sokoban trajectories of 1-3 turns with a frame each (`update_fixtures.visual_samples`): 271 to 495 tokens.
+# Mini-batches 0-7 and 8-11 cut by count, by a padded budget (3, 3, 2 | 3, 1) and by a packed one.
+VISUAL_CUTS = {"count 4": ["train.micro_batch_size=4"], "tokens 1500": ["train.micro_batch_tokens=1500"],
+               "packed 1200": ["train.micro_batch_tokens=1200", "train.pack_sequences=true"]}
+
+
+@pytest.mark.parametrize("cut", VISUAL_CUTS)
+def test_updates_with_frames_equal_a_plain_update_whatever_the_micro_batches(tiny_vl, distributed, cut):
+    """Trajectories of unequal lengths and frame counts through the built-in Qwen2.5-VL: count-based, token-
+    budgeted and packed micro-batches all move the weights where a plain-torch step per whole mini-batch does
+    (whose forward takes the frames and derives its own M-RoPE positions), to float32 tolerance."""
+    from ppo_reference import ADVANTAGES, ANSWERS, assert_update_equals_plain, overrides
+    from update_fixtures import visual_samples
+
+    _, model, processor = tiny_vl
+    model, reference, encoder = copy.deepcopy(model), copy.deepcopy(model), ChatEncoder(processor)
+    cfg = load_config("bandit_text", overrides(mini=8, micro=4) + VISUAL_CUTS[cut])
+    samples = visual_samples(encoder, model, ANSWERS, ADVANTAGES)
+    assert len({s.length for s in samples}) > 3 and {len(s.image_grid_thw) for s in samples} == {1, 2, 3}
+    cuts = [micro_batches(list(range(8)), samples, cfg.train), micro_batches(list(range(8, 12)), samples, cfg.train)]
+    expected = {"count 4": [[4, 4], [4]], "tokens 1500": [[3, 3, 2], [3, 1]], "packed 1200": [[3, 3, 2], [3, 1]]}
+    assert [[len(m) for m in part] for part in cuts] == expected[cut]
+    assert_update_equals_plain(model, reference, samples, cfg, encoder.pad_id, distributed)
+
+
 def test_packing_is_refused_by_name_for_qwen3_5_when_the_config_loads(tmp_path):
     assert sorted(UNPACKED_MODEL_TYPES) == sorted(t for f in FAMILIES if not f.packs for t in f.model_types)
     cfg = load_config("sokoban_visual", ["model.path=builtin:tiny-qwen3.5", "train.pack_sequences=true"])
