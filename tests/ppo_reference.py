@@ -32,6 +32,7 @@ def sgd_engine(model, cfg, dist):
 
     config = deepspeed_config(cfg, LR, dist.world_size, on_gpu=False)
     config.pop("optimizer")
+    config["zero_allow_untested_optimizer"] = True  # ZeRO-2/3 wrap torch's SGD as they wrap AdamW
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine

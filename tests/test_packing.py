@@ -6,6 +6,7 @@ the padded batch's; the update's gradient is the count-based one's, whatever the
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,6 +137,39 @@ def test_updates_with_frames_equal_a_plain_update_whatever_the_micro_batches(tin
     expected = {"count 4": [[4, 4], [4]], "tokens 1500": [[3, 3, 2], [3, 1]], "packed 1200": [[3, 3, 2], [3, 1]]}
     assert [[len(m) for m in part] for part in cuts] == expected[cut]
     assert_update_equals_plain(model, reference, samples, cfg, encoder.pad_id, distributed)
+
+
+@pytest.mark.slow
+def test_two_zero3_ranks_with_frames_match_a_plain_update_whatever_the_micro_batches(tmp_path, tiny_vl, model_cache):
+    """Two gloo ranks under ZeRO-3, every parameter partitioned, holding unequal shares of the Sokoban
+    trajectories (tests/packing_worker.py): micro-batches by count, by tokens and packed give the plain-torch
+    update of whole mini-batches, though the ranks run unequal numbers of micro-batches (padding passes)."""
+    from packing_worker import CUTS
+    from ppo_reference import ADVANTAGES, ANSWERS, overrides, reference_update
+    from test_distributed import _launch
+    from update_fixtures import visual_samples
+
+    results = _launch(2, tmp_path / "two.pt", model_cache, worker=Path(__file__).parent / "packing_worker.py")
+    _, model, processor = tiny_vl
+    reference, encoder = copy.deepcopy(model), ChatEncoder(processor)
+    initial = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    samples = visual_samples(encoder, reference, ANSWERS, ADVANTAGES)
+    cfg = load_config("bandit_text", overrides(mini=8, micro=2))
+    reference_update(reference, samples, [list(range(8)), list(range(8, 12))], cfg, encoder.pad_id)
+    # each rank's micro-batches per mini-batch (0: a pass of loss 0 that pairs with the other rank's)
+    assert {case: results[case]["micro"] for case in CUTS} == {
+        "count 2": [[[2, 2], [2, 1]], [[2, 2], [1, 0]]],
+        "tokens 800": [[[2, 1, 1], [1, 2]], [[1, 1, 2], [1, 0]]],
+        "packed 700": [[[2, 1, 1], [1, 2]], [[1, 1, 2], [1, 0]]]}
+    assert set(results) == set(CUTS)
+    for case, result in results.items():
+        assert result["steps"] == 2, case  # one optimizer step per mini-batch
+        moved = 0.0
+        for name, expected in reference.named_parameters():
+            torch.testing.assert_close(result["params"][name], expected.detach(), atol=1e-6, rtol=0,
+                                       msg=f"{case}: {name}")
+            moved = max(moved, float((expected - initial[name]).abs().max()))
+        assert moved > 1e-3
 
 
 def test_packing_is_refused_by_name_for_qwen3_5_when_the_config_loads(tmp_path):
