@@ -58,14 +58,26 @@ SHAPES = {
 
 def build_checkpoint(shape: str, out: Path, cache: str) -> Path:
     """The built-in tiny VLM's processor with a model of `shape` and random weights, saved at `out`."""
+    from vagen.models import resolve_model_path
+
+    if SHAPES[shape] is None:
+        return resolve_model_path("builtin:tiny-vl", cache, seed=0)
+    model, processor = shape_model(shape, cache)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    del model
+    return out
+
+
+def shape_model(shape: str, cache: str):
+    """A bf16 Qwen2.5-VL of `shape` (not "tiny") with random weights, built on the GPU where there is one, and
+    the built-in tiny VLM's processor."""
     import torch
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
     from vagen.models import CENTER_IMAGE_TOKENS, IMAGE_POSITION_CODE, load_policy, resolve_model_path
 
     tiny = resolve_model_path("builtin:tiny-vl", cache, seed=0)
-    if SHAPES[shape] is None:
-        return tiny
     spec = SHAPES[shape]
     config = AutoConfig.from_pretrained(tiny)
     text = config.get_text_config()
@@ -88,11 +100,8 @@ def build_checkpoint(shape: str, out: Path, cache: str) -> Path:
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out)
     _, processor = load_policy(tiny)
-    processor.save_pretrained(out)
-    del model
-    return out
+    return model, processor
 
 
 def build_parser() -> argparse.ArgumentParser:

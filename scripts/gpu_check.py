@@ -17,9 +17,12 @@ stopped at its limit and reported as such:
                r=64 (the configuration of recipes/qwen2.5-vl-3b-lora: one 80 GB GPU holds it beside vLLM's share;
                full fine-tuning with a critic would need 156 GiB), 2 iterations, so that the second samples after a
                sleep, a wake and a weight sync; its rollout throughput is printed against the bandwidth bound;
-3. pytest      `pytest -m gpu` (tests/test_gpu.py: tiny models, the shipped DeepSpeed configs, CUDA against CPU
+3. packing     benchmarks/bench_packing.py at the 3B shape on the GPU (bf16, gradient checkpointing): the update's
+               tokens a second, peak memory and padding over 16 Sokoban trajectories with micro-batches of 1 and 4
+               trajectories, token budgets of 2,400 (the recipes') and 4,096, and packed micro-batches of 4,096;
+4. pytest      `pytest -m gpu` (tests/test_gpu.py: tiny models, the shipped DeepSpeed configs, CUDA against CPU
                log-probs, seeded sampling, vLLM on CUDA: sleep, waking weights first, the synced policy);
-4. engine      scripts/gpu_engine_check.py linear and egl (F.linear after a ZeRO-3 build with an engine decoding
+5. engine      scripts/gpu_engine_check.py linear and egl (F.linear after a ZeRO-3 build with an engine decoding
                after it; each rank's EGL device);
 and beyond the 8 minutes: with --with-runner scripts/gpu_engine_check.py runner (the model runner vLLM chose and
 its start-up time against vLLM's serving defaults: two engine start-ups), with --with-hf the benchmark with hf
@@ -36,6 +39,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -66,6 +70,11 @@ BENCH = ["--shape", "3b", "--groups", "4", "--group-size", "8", "--turns", "2", 
 BENCH_OVERRIDES = ["algo.adv_estimator=grpo", "model.lora_rank=64", "rollout.max_trajectory_length=2048",
                    "vllm.gpu_memory_utilization=0.3", "vllm.max_model_len=2048"]
 
+# The packing comparison: the update's forward and backward at the 3B shape over 16 Sokoban trajectories (~10,000
+# tokens), micro-batches by count, by the recipes' token budget and a larger one, and packed; no optimizer states.
+PACKING = ["--device", "cuda", "--models", "3b", "--shapes", "sokoban", "--trajectories", "16",
+           "--settings", "count 1,count 4,tokens 2400,tokens 4096,packed 4096"]
+
 # Nominal HBM bandwidth of the GPUs the checks are sized for, by a word of torch.cuda.get_device_name().
 NOMINAL_TB_S = {"H200": 4.8, "H100 80GB HBM3": 3.35, "H100 PCIe": 2.0, "H100 NVL": 3.9, "A100-SXM4-80GB": 2.04}
 
@@ -86,9 +95,11 @@ def steps(logs: Path, with_hf: bool = False, with_staleness: bool = False, with_
     bench = [py, "benchmarks/bench_gpu.py", *BENCH, "--cache", str(logs / "cache")]
     out = [Step("bandwidth", [py, "scripts/gpu_check.py", "--bandwidth", str(logs / "bandwidth.json")], 20),
            Step("bench vllm", [*bench, "--backend", "vllm", "--json", str(logs / "bench_vllm.json"), *BENCH_OVERRIDES],
-                240, [*BENCH, "--backend", "vllm", *BENCH_OVERRIDES]),
+                200, [*BENCH, "--backend", "vllm", *BENCH_OVERRIDES]),
+           Step("packing", [py, "benchmarks/bench_packing.py", *PACKING, "--cache", str(logs / "cache"), "--json",
+                            str(logs / "packing.json")], 60),
            Step("pytest -m gpu", [py, "-m", "pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider",
-                                  "tests/test_gpu.py"], 110),
+                                  "tests/test_gpu.py"], 90),
            Step("engine linear", [py, "scripts/gpu_engine_check.py", "linear"], 60),
            Step("engine egl", [py, "scripts/gpu_engine_check.py", "egl"], 20)]
     if with_runner:
@@ -120,6 +131,9 @@ def missing(find_spec=importlib.util.find_spec, which=shutil.which) -> list[str]
 def verdict(step: Step, gpu_gib: float) -> tuple[bool, str]:
     """Whether vagen's memory estimate passes the step's training configuration on one GPU of `gpu_gib`, and
     the estimate's last line (or why there is nothing to estimate)."""
+    if step.name == "packing":
+        return True, ("the 3B shape's bf16 weights and gradients (14 GiB) and one micro-batch's checkpointed "
+                      "activations; no optimizer states")
     if step.bench is None:
         return True, ("tiny models (the built-in, well under a million parameters): nothing to estimate"
                       if step.name.startswith(("pytest", "engine", "staleness")) else "trains nothing")
@@ -207,6 +221,23 @@ def throughput_table(logs: Path) -> list[str]:
     return lines
 
 
+def packing_table(logs: Path) -> list[str]:
+    """The packing step's rows (bench_packing.py --json: one JSON row per setting, written as each is measured),
+    with each setting's update tokens a second over micro-batches of one trajectory's."""
+    path = logs / "packing.json"
+    if not path.exists():
+        return [f"packing: not run or failed (see {logs / 'packing.log'})"]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    base = next((r["tokens_per_s"] for r in rows if r["setting"] == "count 1"), None)
+    lines = ["| update micro-batches (3B shape, 16 Sokoban trajectories) | tokens/s | over count 1 | peak GiB | passes "
+             "| padding |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| {r['setting']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['peak_mib'] / 1024:.1f} | "
+                     f"{r['passes']} | {r['padding']:.2f} |")
+    return lines
+
+
 def run_step(step: Step, log: Path, limit: int) -> str:
     """Run `step` with its output in `log`, in a process group of its own that is killed whole (an engine's
     workers included) at `limit` seconds; "ok" or what went wrong."""
@@ -259,7 +290,7 @@ def main(argv=None) -> int:
             ok, text = verdict(step, gpu_gib)
             fits &= ok
             print(f"step {step.name}: limit {step.budget_s} s{'' if step.default else ' (optional)'}; memory: {text}")
-            print("  " + " ".join(step.argv))
+            print("  " + shlex.join(step.argv))
         return 0 if fits else 1
     if lacking:
         print("gpu_check: this machine lacks what the checks need:\n  " + "\n  ".join(lacking)
@@ -309,6 +340,8 @@ def main(argv=None) -> int:
         print(f"| {step.name} | {status} | {seconds:.1f} | {step.budget_s} |")
     print()
     print("\n".join(throughput_table(logs)))
+    print()
+    print("\n".join(packing_table(logs)))
     if (logs / "staleness.json").exists():
         subprocess.run([sys.executable, "benchmarks/bench_staleness.py", "--table", str(logs / "staleness.json")],
                        cwd=ROOT)

@@ -11,8 +11,9 @@
 # vagen import already). --dry-run prints each step's command, time limit and memory verdict (at 80 GiB unless
 # --gpu-gib says otherwise) and what is missing, on any machine. The steps are scripts/gpu_check.py's (its
 # docstring): the copy bandwidth, benchmarks/bench_gpu.py at Qwen2.5-VL-3B's shape with vLLM rollouts (GRPO, LoRA
-# r=64: its rollout throughput against the bandwidth bound), pytest -m gpu, scripts/gpu_engine_check.py linear and
-# egl. Logs and the rows as JSON go to $OUT (or ./gpu_check).
+# r=64: its rollout throughput against the bandwidth bound), benchmarks/bench_packing.py at the 3B shape (the update's
+# tokens/s with micro-batches by count, by tokens and packed), pytest -m gpu, scripts/gpu_engine_check.py linear
+# and egl. Logs and the rows as JSON go to $OUT (or ./gpu_check).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -1,6 +1,6 @@
 """A plain-torch PPO update to check `vagen.update.ppo_update` against: whole mini-batches in one
-forward pass each (no micro-batches, no shared prefix, no DeepSpeed), SGD with gradient clipping.
-Shared by the in-process update tests and the data-parallel worker."""
+forward pass each (no micro-batches, no shared prefix, no packing, no DeepSpeed), SGD with gradient clipping.
+Shared by the in-process update tests and the data-parallel workers."""
 
 from __future__ import annotations
 
@@ -32,13 +32,21 @@ def sgd_engine(model, cfg, dist):
 
     config = deepspeed_config(cfg, LR, dist.world_size, on_gpu=False)
     config.pop("optimizer")
+    config["zero_allow_untested_optimizer"] = True  # ZeRO-2/3 wrap torch's SGD as they wrap AdamW
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
 
 def token_logprobs_plain(model, batch, temperature: float):
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()[:, :-1]
+    """The whole padded batch in one forward, with its attention mask; a vision model's frames go in as the
+    processor gives them, and the model derives its M-RoPE positions itself."""
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if "pixel_values" in batch:
+        image_token_id = getattr(model, "module", model).config.image_token_id
+        inputs.update(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                      mm_token_type_ids=(batch["input_ids"] == image_token_id).int())
+    logits = model(**inputs).logits.float()[:, :-1]
     logits = logits / temperature
     labels = batch["input_ids"][:, 1:]
     pad = torch.zeros(labels.shape[0], 1)

@@ -24,13 +24,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(ranks: int, out: Path, cache: str):
-    """The DeepSpeed launcher run by this interpreter, so the test runs whether or not the `deepspeed`
-    script is on PATH."""
+def _launch(ranks: int, out: Path, cache: str, worker: Path = WORKER):
+    """`worker` on `ranks` ranks by the DeepSpeed launcher run by this interpreter, so the test runs whether
+    or not the `deepspeed` script is on PATH; returns what it saved at `out`."""
     env = child_env()
     port = _free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(port),
-           str(WORKER), "--out", str(out), "--cache", cache]
+           str(worker), "--out", str(out), "--cache", cache]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 and out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
     # DeepSpeed's CPU all-reduce maps one shared-memory file per rank and never removes it: without

@@ -26,11 +26,16 @@ def test_the_dry_run_prints_every_step_passing_the_estimate_at_80_gib():
                                             "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("gpu_check dry run: 5 steps, memory verdicts at 80 GiB")
+    assert lines[0].startswith("gpu_check dry run: 6 steps, memory verdicts at 80 GiB; the default steps' limits add "
+                               "up to 450 s of 450 s")
     assert lines[1].startswith("missing here (a real run refuses these): ")
     verdicts = [line for line in lines if line.startswith("step ")]
-    assert [v.split(":")[0] for v in verdicts] == ["step bandwidth", "step bench vllm", "step pytest -m gpu",
-                                                   "step engine linear", "step engine egl"]
+    assert [v.split(":")[0] for v in verdicts] == ["step bandwidth", "step bench vllm", "step packing",
+                                                   "step pytest -m gpu", "step engine linear", "step engine egl"]
+    (packing,) = [v for v in verdicts if v.startswith("step packing")]
+    command = lines[lines.index(packing) + 1].split()
+    assert command[1] == "benchmarks/bench_packing.py" and command[2:8] == ["--device", "cuda", "--models", "3b",
+                                                                            "--shapes", "sokoban"]
     (bench,) = [v for v in verdicts if v.startswith("step bench vllm")]
     assert "GPU total" in bench and bench.endswith("of 80 GiB: fits")
     # each step's command follows its verdict; the benchmark's carries the overrides the verdict counted
@@ -123,3 +128,22 @@ def test_the_throughput_table_sets_tokens_per_second_against_the_bandwidth_bound
     assert f"| {copy:,.0f} | {4000 / copy:.0%} | {nominal:,.0f} | {4000 / nominal:.0%} |" in vllm
     (hf,) = [line for line in lines if line.startswith("| hf")]
     assert "not run or failed" in hf
+
+
+def test_the_packing_table_sets_each_setting_against_micro_batches_of_one_trajectory(tmp_path):
+    assert gpu_check.packing_table(tmp_path) == [f"packing: not run or failed (see {tmp_path / 'packing.log'})"]
+    rows = [{"setting": "count 1", "tokens_per_s": 4000.0, "peak_mib": 2048.0, "passes": 16, "padding": 0.0},
+            {"setting": "tokens 2400", "tokens_per_s": 5000.0, "peak_mib": 3072.0, "passes": 9, "padding": 0.21}]
+    (tmp_path / "packing.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = gpu_check.packing_table(tmp_path)
+    assert lines[2:] == ["| count 1 | 4,000 | 1.00x | 2.0 | 16 | 0.00 |", "| tokens 2400 | 5,000 | 1.25x | 3.0 | 9 | 0.21 |"]
+
+
+def test_the_packing_steps_settings_are_bench_packings(tmp_path):
+    """A misspelt setting would stop the step on the GPU after its imports: the names are checked here."""
+    import bench_packing
+
+    (step,) = [s for s in gpu_check.steps(tmp_path) if s.name == "packing"]
+    settings = step.argv[step.argv.index("--settings") + 1].split(",")
+    assert settings and all(name in bench_packing.SETTINGS for name in settings)
+    assert step.argv[step.argv.index("--shapes") + 1] in bench_packing.SHAPES

@@ -30,3 +30,36 @@ def answer_samples(encoder: ChatEncoder, answers: list[str], advantages: list[fl
 
 def response_logprob(samples) -> list[float]:
     return [float((s.extra["old_logprobs"] * s.loss_mask).sum()) for s in samples]
+
+
+def visual_samples(encoder: ChatEncoder, model, answers: list[str], advantages: list[float], max_turns: int = 3):
+    """One Sokoban trajectory per answer, 1 to `max_turns` turns (cycling), each turn a real frame of the level
+    (168x168, 36 image tokens) and the answer, with a constant advantage on its generated tokens: sequences
+    of unequal lengths and unequal frame counts, with M-RoPE positions from `model`."""
+    import envs_visual
+    from vagen.config import load_config
+
+    cfg = load_config("sokoban_visual")
+    env = envs_visual.make(cfg.env.name, **cfg.env.params)
+    samples = []
+    for i, (answer, advantage) in enumerate(zip(answers, advantages)):
+        obs, _ = env.reset(seed=i)
+        episode = Episode("sokoban", seed=i, group_id=i, system_prompt=env.system_prompt())
+        for turn in range(1 + i % max_turns):
+            ids, pixel_values, grids = encoder.user_segment(obs.text, obs.images, first=turn == 0,
+                                                            system=episode.system_prompt)
+            episode.input_ids += ids
+            episode.pixel_values += pixel_values
+            episode.image_grid_thw += grids
+            generated, text = encoder.finish_response(encoder.encode_text(f"<answer>{answer}</answer>"))
+            start = len(episode.input_ids)
+            episode.input_ids += generated
+            episode.turns.append(Turn(obs.text, obs.images, text, 0.0, {}, (start, start + len(generated)),
+                                      len(generated)))
+            obs, *_ = env.step(text)
+        sample = episode_to_sample(episode, encoder, model)
+        sample.extra["advantages"] = sample.loss_mask * advantage
+        sample.extra["adv_mask"] = sample.loss_mask.clone()
+        sample.extra["returns"] = torch.zeros_like(sample.loss_mask)
+        samples.append(sample)
+    return samples
