@@ -154,7 +154,7 @@ def test_the_update_phase_adds_activations_and_an_awake_vllm():
                                                                    rel=1e-9)
     assert asleep.gpu_total_gib == max(asleep.rollout_gib, asleep.update_gib)
     assert asleep.rollout_gib > asleep.total_gib + share + MARGIN_GIB
-    _, four = _recipe(["train.micro_batch_size=4"])
+    _, four = _recipe(["train.micro_batch_size=4", "train.micro_batch_tokens=0"])  # the recipe cuts by tokens
     assert four.activations.layers == 4 * asleep.activations.layers
 
 
@@ -177,7 +177,8 @@ def test_the_issue_case_three_changes_that_each_fit_refused_together():
     names = ["sokoban_visual", "recipes/qwen2.5-vl-3b"]
     failures, lines = _checked(names, [], 8, 80)
     assert failures == [] and lines[-1].endswith("of 80 GiB: fits")
-    bad = ["vllm.sleep_mode=false", "model.gradient_checkpointing=false", "train.micro_batch_size=4"]
+    bad = ["vllm.sleep_mode=false", "model.gradient_checkpointing=false", "train.micro_batch_size=4",
+           "train.micro_batch_tokens=0"]  # by count, as before the recipe took a token budget
     (failure,), lines = _checked(names, bad, 8, 80)
     assert "does not fit a GPU of 80 GiB with 8 rank(s)" in failure and "in the update" in failure
     for fix in ("model.gradient_checkpointing=true", "train.micro_batch_size=1", "vllm.sleep_mode=true"):
