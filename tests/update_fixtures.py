@@ -38,25 +38,15 @@ def visual_samples(encoder: ChatEncoder, model, answers: list[str], advantages: 
     of unequal lengths and unequal frame counts, with M-RoPE positions from `model`."""
     import envs_visual
     from vagen.config import load_config
+    from vagen.warmstart.demos import Demo, demo_episode
 
     cfg = load_config("sokoban_visual")
     env = envs_visual.make(cfg.env.name, **cfg.env.params)
     samples = []
     for i, (answer, advantage) in enumerate(zip(answers, advantages)):
-        obs, _ = env.reset(seed=i)
-        episode = Episode("sokoban", seed=i, group_id=i, system_prompt=env.system_prompt())
-        for turn in range(1 + i % max_turns):
-            ids, pixel_values, grids = encoder.user_segment(obs.text, obs.images, first=turn == 0,
-                                                            system=episode.system_prompt)
-            episode.input_ids += ids
-            episode.pixel_values += pixel_values
-            episode.image_grid_thw += grids
-            generated, text = encoder.finish_response(encoder.encode_text(f"<answer>{answer}</answer>"))
-            start = len(episode.input_ids)
-            episode.input_ids += generated
-            episode.turns.append(Turn(obs.text, obs.images, text, 0.0, {}, (start, start + len(generated)),
-                                      len(generated)))
-            obs, *_ = env.step(text)
+        turns = 1 + i % max_turns
+        demo = Demo(seed=i, level="", responses=[f"<answer>{answer}</answer>"] * turns, rewards=[None] * turns)
+        episode = demo_episode(demo, env, encoder, group_id=i)
         sample = episode_to_sample(episode, encoder, model)
         sample.extra["advantages"] = sample.loss_mask * advantage
         sample.extra["adv_mask"] = sample.loss_mask.clone()
