@@ -33,7 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # frozenlake_text: the text-only agent, whose warm start vLLM loads (rollout.backend=vllm; run from .venv-vllm)
-ENVS = {"frozenlake": "frozenlake_visual", "sokoban": "sokoban_visual", "frozenlake_text": "frozenlake_text"}
+# navigation: MuJoCo frames, 5 turns of up to 5 actions; pass its shipped warm start (--warm-start), whose build
+# takes two commands (docs/warm-start.md#navigation)
+ENVS = {"frozenlake": "frozenlake_visual", "sokoban": "sokoban_visual", "frozenlake_text": "frozenlake_text",
+        "navigation": "navigation_visual"}
 METHODS = {
     "TRICO": ["algo.adv_estimator=turn_gae", "algo.token_selection=entropy"],
     "PPO": ["algo.adv_estimator=gae", "algo.token_selection=all"],

@@ -141,6 +141,10 @@ def main() -> int:
     parser.add_argument("--position-code", action="store_true",
                         help="the built-in model with a row and column code on each image token "
                              "(model.builtin_position_code)")
+    parser.add_argument("--named", action="store_true",
+                        help="manipulation: answer with the object's listing line before the pick action")
+    parser.add_argument("--layers", type=int, default=2,
+                        help="decoder layers of the built-in model (model.builtin_layers)")
     parser.add_argument("--moves-question", type=int, default=0, metavar="N",
                         help="FrozenLake: ask what is on the cell N random moves from the player (frozen, hole, "
                              "goal, off the map) instead of the player's row")
@@ -153,7 +157,7 @@ def main() -> int:
     dist = init_distributed()
     cfg = load_config("frozenlake_visual", [f"sft.lr={args.lr}", f"sft.batch_size={args.batch}",
                                             f"sft.micro_batch_size={args.batch}"])
-    spec = TinySpec(image_position_code=args.position_code)
+    spec = TinySpec(num_layers=args.layers, image_position_code=args.position_code)
     model, processor = load_policy(resolve_model_path(args.model, cfg.model.builtin_cache, spec=spec))
     encoder = ChatEncoder(processor)
     if args.vision_init:
@@ -175,7 +179,7 @@ def main() -> int:
         from vagen.warmstart.manipulation_questions import copy_probes
 
         env = envs_visual.make("manipulation", task="place", image_width=args.size, image_height=args.size)
-        probes = copy_probes(env, args.train + 200)
+        probes = copy_probes(env, args.train + 200, named=args.named)
         samples = [question_sample(encoder, model, p.frame, p.question, p.answer, p.seed, "Answer with one action.")
                    for p in probes]
         train, held_out, rows = samples[:args.train], samples[args.train:], [p.answer for p in probes[args.train:]]

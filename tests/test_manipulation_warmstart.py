@@ -68,3 +68,23 @@ def test_copy_questions_answer_with_the_listed_centre_of_the_object_asked_about(
         env.reset(seed=probe.seed)
         assert probe.answer == f"pick {listed(env, name)}"
         assert probe.question.startswith(env._describe()) and probe.question.endswith("<image>")
+    named = copy_probes(env, 2, named=True)
+    assert [p.answer for p in named] == [f"purple cube (-60, -23, 20), {probes[0].answer}",
+                                         f"purple cube (-56, -23, 20), {probes[1].answer}"]
+
+
+def test_lookup_reasoning_writes_the_listing_lines_the_answer_goes_to(env):
+    from vagen.warmstart.demos import demo_response, reasoning
+
+    env.reset(seed=1)
+    assert env.prompt_format == "free_think"
+    response = demo_response(env, "teacher", np.random.default_rng(1), kind="lookup", slip=0.0)
+    assert response == ("<think>Put the purple cube on the goal. My gripper is empty. purple cube (-56, -23, 20), goal "
+                        "(-51, 86, 0). So I do pick (-56, -23, 20).</think><answer>pick (-56, -23, 20), place (-51, 86, "
+                        "20)</answer>")
+    # each line is the listing's own
+    for line in ("purple cube (-56, -23, 20)", "goal (-51, 86, 0)"):
+        assert line in env._describe().splitlines()
+    with pytest.raises(ValueError, match="no lookup reasoning for env 'sokoban'"):
+        reasoning("sokoban", [{}], ["Up"], np.random.default_rng(0), kind="lookup")
+    assert load_config("manipulation_visual", ["sft.reasoning=lookup"]).sft.reasoning == "lookup"

@@ -1,6 +1,7 @@
 """The on-policy stage of a warm start: the model's own episodes, each later turn answered by the teacher."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,6 +79,11 @@ def test_an_on_policy_build_continues_a_warm_start_with_that_stage_alone(tmp_pat
     state = json.loads((tmp_path / "ws" / sft.STATE_FILE).read_text())
     assert state["stages"] == "on_policy" and state["settings"]["sft"]["on_policy_levels"] == 16
     assert "sft/val_answer_accuracy" in state and "sft/perception_steps" not in state
+    # the base's own build is recorded beside it, and its card carries both commands
+    base_state = json.loads((Path(SOKOBAN_TEXT) / sft.STATE_FILE).read_text())
+    assert state["base_build"]["command"] == base_state["command"] and "settings" not in state["base_build"]
+    card = sft.card_head(cfg, tmp_path / "ws", 4)
+    assert card["build"]["base_build"] == state["base_build"] and card["build"]["base"] == str(SOKOBAN_TEXT)
     with pytest.raises(ValueError, match="sft.on_policy_levels=0; set sft.on_policy_levels"):
         sft.build_warm_start(load_config("sokoban_text", overrides + ["sft.on_policy_levels=0"]), SOKOBAN_TEXT,
                              tmp_path / "ws2", "teacher", distributed, on_policy_only=True)

@@ -28,7 +28,8 @@ def test_each_task_keeps_its_own_demonstration_settings_and_the_run_its_schedule
     cfg = load_config("multitask_visual", ["sft.demos=40"])
     tasks = mixed_tasks(cfg, ["sft.demos=40"])
     assert [name for name, _, _ in tasks] == ["sokoban_visual", "frozenlake_visual", "navigation_visual"]
-    assert [sub.sft.reasoning for _, sub, _ in tasks] == ["path", "near", "near"]  # as each task's own build
+    assert [sub.sft.reasoning for _, sub, _ in tasks] == ["path", "near", "view"]  # as each task's own build
+    assert [sub.sft.teacher_slip for _, sub, _ in tasks] == [None, None, 0.0]
     assert [sub.sft.val_demos for _, sub, _ in tasks] == [128, 128, 64]
     assert [sub.sft.demos for _, sub, _ in tasks] == [40, 40, 40]  # the command line's sft.* reach every task
     assert [(sub.env.name, sub.rollout.max_turns, sub.rollout.max_new_tokens) for _, sub, _ in tasks] == [

@@ -17,8 +17,8 @@ TEXT_TASKS = "rollout.tasks=[{config: sokoban_text, groups: 2}, {config: frozenl
 TASK_KEYS = ("max_turns", "max_new_tokens", "max_trajectory_length")
 
 
-def _own(name, *more):
-    cfg = load_configs([name, *more], require_checkpoint=False)
+def _own(name, *more, overrides=()):
+    cfg = load_configs([name, *more], list(overrides), require_checkpoint=False)
     return {key: getattr(cfg.rollout, key) for key in TASK_KEYS}, cfg.env
 
 
@@ -27,7 +27,7 @@ def test_each_task_keeps_its_environment_config():
     assert [(t.name, t.groups) for t in cfg.rollout.tasks] == [("sokoban_visual", 2), ("frozenlake_visual", 1),
                                                               ("navigation_visual", 1)]
     for task in cfg.rollout.tasks:
-        rollout, env = _own(task.config)
+        rollout, env = _own(task.config, overrides=task.overrides)
         assert task.rollout == rollout
         assert task.env == dict(env.__dict__)
     # the run's env is the first task's, its lengths the largest (navigation's 5 turns), its groups their sum
@@ -54,6 +54,23 @@ def test_a_recipe_after_the_tasks_keeps_each_tasks_turns_and_lengths():
     assert [t.groups for t in cfg.rollout.tasks] == [16, 8, 8] and cfg.rollout.env_groups == 32
 
 
+def test_a_tasks_own_overrides_apply_to_it_alone_and_before_a_recipe():
+    # multitask_visual's warm start learned navigation at 112 px; navigation_visual's own is 168
+    cfg = load_configs("multitask_visual")
+    sokoban, _, navigation = cfg.rollout.tasks
+    assert navigation.overrides == ["env.params.image_width=112", "env.params.image_height=112"]
+    assert navigation.env["params"] == {"image_width": 112, "image_height": 112}
+    assert load_configs("navigation_visual").env.params == {"image_width": 168, "image_height": 168}
+    assert sokoban.env == dict(_own("sokoban_visual")[1].__dict__)
+    # a recipe after the tasks still sets its family's geometry (Qwen3-VL's 128 px), the command line wins over both
+    recipe = load_configs(["multitask_visual", "recipes/qwen3-vl-4b"], require_checkpoint=False)
+    assert recipe.rollout.tasks[2].env["params"] == {"image_width": 128, "image_height": 128}
+    cfg = load_configs("multitask_visual", ["env.max_actions_per_turn=2"])
+    assert [t.env["max_actions_per_turn"] for t in cfg.rollout.tasks] == [2, 2, 2]
+    # the saved config.yaml reproduces it
+    assert from_dict(yaml.safe_load(to_yaml(cfg)), cfg.name) == cfg
+
+
 def test_command_line_turns_and_env_settings_apply_to_every_task():
     cfg = load_configs("multitask_visual", ["rollout.max_turns=2", "env.step_timeout=30"])
     assert [t.rollout["max_turns"] for t in cfg.rollout.tasks] == [2, 2, 2]
@@ -65,7 +82,10 @@ def test_command_line_turns_and_env_settings_apply_to_every_task():
     ("rollout.tasks=[{config: sokobn_visual, groups: 1}]",
      r"rollout.tasks\[0\] \(config: sokobn_visual\): unknown config 'sokobn_visual'; did you mean 'sokoban_visual'"),
     ("rollout.tasks=[{config: sokoban_visual, grups: 1}]",
-     r"rollout.tasks\[0\]: unknown key 'grups'; did you mean 'groups'\? keys: config, groups, name"),
+     r"rollout.tasks\[0\]: unknown key 'grups'; did you mean 'groups'\? keys: config, groups, name, overrides"),
+    ("rollout.tasks=[{config: sokoban_visual, groups: 1, overrides: [train.seed=3]}]",
+     r"rollout.tasks\[0\] \(sokoban_visual\) overrides \['train.seed=3'\]: a task's overrides set env.\* and "
+     r"rollout.max_turns, rollout.max_new_tokens, rollout.max_trajectory_length only"),
     ("rollout.tasks=[{config: sokoban_visual, groups: 0}]", r"rollout.tasks\[0\] \(sokoban_visual\) groups=0 must be >= 1"),
     ("rollout.tasks=[sokoban_visual]", r"rollout.tasks\[0\]: expected a mapping with keys config, groups"),
     ("rollout.tasks=[{config: sokoban_visual, groups: 1}, {config: sokoban_visual, groups: 1}]",

@@ -295,13 +295,20 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+class TaskOverride(str):
+    """An entry of `load_configs`' names that is a task's own `section.key=value` (rollout.tasks[i].overrides):
+    applied where it stands, after the task's config and before the configs that follow it (recipes)."""
+
+
 def config_names(names: str | list[str] | None) -> list[str]:
     """The configs `names` lists, in order: a name or path, a comma list of them, or a list of either."""
     if not names:
         return []
     out = []
     for entry in [names] if isinstance(names, str) else names:
-        if Path(entry).suffix in (".yaml", ".yml") and Path(entry).exists():  # a path is never split
+        if isinstance(entry, TaskOverride):
+            out.append(entry)
+        elif Path(entry).suffix in (".yaml", ".yml") and Path(entry).exists():  # a path is never split
             out.append(entry)
         else:
             out += [part.strip() for part in entry.split(",") if part.strip()]
@@ -397,6 +404,9 @@ def load_configs(names: str | list[str] | None = None, overrides: list[str] | No
     recipe = None  # (family, path) of the last recipe
     entries, tasks_at = config_names(names), None
     for at, entry in enumerate(entries):
+        if isinstance(entry, TaskOverride):
+            _apply(raw, *parse_override(entry), "the task's overrides")
+            continue
         path = resolve_config_path(entry)
         data = yaml.safe_load(path.read_text()) or {}
         if not isinstance(data, dict):
@@ -430,18 +440,25 @@ def load_configs(names: str | list[str] | None = None, overrides: list[str] | No
 
 def _resolve_tasks(raw: dict, after: list[str], overrides: list[str], require_checkpoint: bool) -> None:
     """rollout.tasks: each task's environment config loaded as a run of its own would load it (then the configs
-    `after` the one that lists the tasks, recipes among them, with the task's real_model section, and the
-    command line's env.* and length overrides); its env section and TASK_ROLLOUT_KEYS go into the task. The
+    `after` the one that lists the tasks, recipes among them, with the task's real_model section, the task's own
+    `overrides` right after its config, and the command line's env.* and length overrides); its env section and TASK_ROLLOUT_KEYS go into the task. The
     run's env is the first task's and its lengths the largest (what sizes engines and buffers), and
     rollout.env_groups the sum of the tasks' groups. Tasks already resolved (a run's config.yaml) stay."""
     tasks = (raw.get("rollout") or {}).get("tasks")
     if not tasks:
         return
-    own = [text for text in overrides
-           if parse_override(text)[0].startswith("env.") or parse_override(text)[0] in
-           [f"rollout.{key}" for key in TASK_ROLLOUT_KEYS]]
+    def task_level(text: str) -> bool:
+        key = parse_override(text)[0]
+        return key.startswith("env.") or key in [f"rollout.{k}" for k in TASK_ROLLOUT_KEYS]
+
+    own = [text for text in overrides if task_level(text)]
     resolved = []
     for i, task in enumerate(tasks):
+        wrong = [text for text in task.overrides if not isinstance(text, str) or not task_level(text)]
+        if wrong:
+            raise ConfigError(f"rollout.tasks[{i}] ({task.name or task.config}) overrides {wrong}: a task's overrides "
+                              f"set env.* and rollout.{', rollout.'.join(TASK_ROLLOUT_KEYS)} only, as strings "
+                              f"section.key=value; set other sections for the whole run")
         if task.env:  # resolved before (a run's config.yaml): the command line's env.* and lengths still apply
             values = {"env": dict(task.env), "rollout": dict(task.rollout)}
             for text in own:
@@ -456,7 +473,7 @@ def _resolve_tasks(raw: dict, after: list[str], overrides: list[str], require_ch
             raise ConfigError(f"rollout.tasks[{i}] names no environment config; write each task as "
                               f"{{config: sokoban_visual, groups: 2}} (configs: {', '.join(available_configs())})")
         try:
-            sub = load_configs([task.config, *after], own, require_checkpoint)
+            sub = load_configs([task.config, *map(TaskOverride, task.overrides), *after], own, require_checkpoint)
         except ConfigError as err:
             raise ConfigError(f"rollout.tasks[{i}] (config: {task.config}): {err}") from None
         if sub.rollout.tasks:

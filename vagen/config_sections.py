@@ -16,7 +16,7 @@ CHOICES = {
     ("model", "attn_implementation"): ("sdpa", "eager", "flash_attention_2"),
     ("env", "render_mode"): ("vision", "text"),
     ("sft", "lr_schedule"): ("constant", "cosine"),
-    ("sft", "reasoning"): ("near", "path", "plan", "view"),
+    ("sft", "reasoning"): ("near", "path", "plan", "view", "lookup"),
     ("env", "prompt_format"): ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling"),
     ("rollout", "backend"): ("hf", "vllm"),
     ("rollout", "context"): ("full", "window"),
@@ -146,6 +146,9 @@ class TaskConfig:
                          "tokens per turn and trajectory length")
     groups: int = _f(1, "level groups of this task per iteration, over all ranks (a multiple of the rank count)")
     name: str = _f("", "the task's name in metrics (rollout/<name>/success) and evaluations; empty = the config's")
+    overrides: list = _f([], "env.* and length overrides (rollout.max_turns, max_new_tokens, max_trajectory_length) "
+                             "for this task alone, applied right after its config (before a recipe and the command line): "
+                             "[env.params.image_width=112, env.params.image_height=112]")
     env: dict = _f({}, "filled when the config loads: the task's env section")
     rollout: dict = _f({}, "filled when the config loads: the task's rollout.max_turns, max_new_tokens and "
                            "max_trajectory_length")
@@ -338,7 +341,9 @@ class SFTConfig:
                                 "(Sokoban: path, naming the cell the teacher walks to in order to push from it: "
                                 "'row 2, column 3: to row 4, column 2, go down.') | view (navigation: what the turn's "
                                 "frame shows, in words it can show: 'The red table is on my left. 2 steps free ahead. "
-                                "So I take rotateleft.', vagen.warmstart.navigation_questions)")
+                                "So I take rotateleft.', vagen.warmstart.navigation_questions) | lookup (manipulation: near, with the "
+                                "listing's line of each object the answer goes to before the first primitive: 'purple "
+                                "cube (-60, -23, 20), goal (-142, -113, 0).')")
     teacher_slip: float | None = _f(None, "share of the teacher's actions that slip, in the demonstrations and the "
                                           "on-policy stage's labels: navigation's random moves (its own: 0.15), "
                                           "manipulation's jittered millimetres (its own: 1; 0 = every action copies "

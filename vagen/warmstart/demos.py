@@ -229,11 +229,37 @@ def manipulation_reasoning(state: dict, actions: list[str], rng: np.random.Gener
     return {"observation": now, "reasoning": f"{state['instruction']} {now} {_decision(actions, 'do', rng)}"}
 
 
+def manipulation_lookup(state: dict, actions: list[str], rng: np.random.Generator,
+                        style: str | None = None) -> dict[str, str]:
+    """`near`, with the listing's line of each object or goal the turn's actions go to (matched by its
+    x and y) written before the first primitive: "purple cube (-60, -23, 20), goal (-142, -113, 0)." Its
+    centre then follows its name as in the listing, and the answer repeats the reasoning's numbers."""
+    from envs_visual.manipulation import _split
+    from envs_visual.manipulation_teacher import copy_action
+
+    listed = [(o["name"], o["position"]) for o in state["objects"]] + [("goal", g) for g in state["goals"]]
+    lines: list[str] = []
+    for action in actions:
+        values = _split(action)[1]
+        for name, position in listed:
+            line = copy_action(name, position)
+            if len(values) >= 2 and round(values[0]) == round(position[0]) and round(values[1]) == round(position[1]) \
+                    and line not in lines:
+                lines.append(line)
+                break
+    fields = manipulation_reasoning(state, actions, rng, style)
+    if lines:
+        now = _gripper(state["holding"])
+        fields["reasoning"] = f"{state['instruction']} {now} {', '.join(lines)}. {_decision(actions, 'do', rng)}"
+    return fields
+
+
 REASONING = {"frozenlake": frozenlake_reasoning, "sokoban": sokoban_reasoning, "navigation": navigation_reasoning,
              "manipulation": manipulation_reasoning}
 PATH_REASONING = {"frozenlake": frozenlake_path, "sokoban": sokoban_path}
 PLAN_REASONING = {"sokoban": functools.partial(sokoban_path, aims=True)}
-REASONING_KINDS = ("near", "path", "plan", "view")
+REASONING_KINDS = ("near", "path", "plan", "view", "lookup")
+LOOKUP_REASONING = {"manipulation": manipulation_lookup}
 
 
 def view_reasoning(env, actions: list[str], rng: np.random.Generator) -> dict[str, str]:
@@ -258,11 +284,11 @@ def reasoning(env_name: str, states: list[dict], actions: list[str], rng: np.ran
         raise ValueError(f"unknown demonstration reasoning {kind!r}; choices: {', '.join(REASONING_KINDS)}")
     if kind == "view":
         raise ValueError("view reasoning is read from the env's pose, not from states: use demo_response")
-    table = {"near": REASONING, "path": PATH_REASONING, "plan": PLAN_REASONING}[kind]
+    table = {"near": REASONING, "path": PATH_REASONING, "plan": PLAN_REASONING, "lookup": LOOKUP_REASONING}[kind]
     if env_name not in table:
         raise ValueError(f"no {kind} reasoning for env {env_name!r}: it is written for {', '.join(table)}; use "
                          f"one of them, another sft.reasoning, or add a function for it to vagen/warmstart/demos.py")
-    if kind != "near":
+    if kind in ("path", "plan"):
         return table[env_name](states, actions, style)
     return table[env_name](states[0], actions, rng, style)
 

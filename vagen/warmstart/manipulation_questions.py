@@ -25,10 +25,13 @@ def copy_question(listing: str, name: str) -> str:
     return f"{listing}\nWhich action picks up the {name}?\n<image>"
 
 
-def copy_probes(env, n: int, exclude: set[str] = frozenset(), start_seed: int = 0) -> list[Probe]:
+def copy_probes(env, n: int, exclude: set[str] = frozenset(), start_seed: int = 0,
+                named: bool = False) -> list[Probe]:
     """`n` copy questions on distinct manipulation levels from seeds `start_seed, …` (skipping `exclude`),
     one per level, about one of its objects drawn from the seed, with the level's start frame. The
-    answer is text: the pick action at the object's listed centre."""
+    answer is text: the pick action at the object's listed centre; `named`, the object's listing line
+    first (`purple cube (-60, -23, 20), pick (-60, -23, 20)`), so that its centre follows its name as in
+    the listing."""
     from envs_visual.manipulation import copy_action
     from vagen.warmstart.demos import distinct_levels
 
@@ -36,6 +39,8 @@ def copy_probes(env, n: int, exclude: set[str] = frozenset(), start_seed: int = 
     for seed in distinct_levels(env, n, itertools.count(start_seed), exclude, None, "ask fewer questions"):
         state = env.state()
         obj = state["objects"][int(np.random.default_rng([seed, 37]).integers(len(state["objects"])))]
-        probes.append(Probe(seed, env.render_image(), copy_question(env._describe(), obj["name"]),
-                            copy_action("pick", obj["position"])))
+        answer = copy_action("pick", obj["position"])
+        if named:
+            answer = f"{copy_action(obj['name'], obj['position'])}, {answer}"
+        probes.append(Probe(seed, env.render_image(), copy_question(env._describe(), obj["name"]), answer))
     return probes

@@ -201,10 +201,21 @@ def build_warm_start(cfg, base_path: Path, out: Path, policy: str, dist, log=pri
     settings = {s: cfg.to_dict()[s] for s in ("model", "env", "rollout", "sft")}
     save_warm_start(engine.module, processor, out, {
         "config": cfg.name, "command": command, "code_revision": revision, "demonstration_code": demo_code,
-        "base": str(base_path),
+        "base": str(base_path), **base_build(base_path),
         "policy": policy, "stages": "cells" if cells_only else "on_policy" if on_policy_only else "all",
         "settings": settings, **stats}, log)
     return stats
+
+
+def base_build(base_path) -> dict:
+    """{"base_build": how the base was built} when the base is a warm start (its `STATE_FILE`: the command, code,
+    stages, its own base_build and its metrics), so that a card of a later stage (`--on-policy-only`) says every
+    command behind it; {} for the built-in model or a checkpoint from elsewhere."""
+    path = Path(base_path) / STATE_FILE
+    if not path.exists():
+        return {}
+    state = json.loads(path.read_text())
+    return {"base_build": {k: v for k, v in state.items() if k != "settings"}}
 
 
 def save_warm_start(model, processor, out: Path, state: dict, log=print) -> None:
@@ -245,6 +256,8 @@ def card_head(cfg, checkpoint: Path, n: int, revision: str | None = None) -> dic
     state = json.loads((checkpoint / STATE_FILE).read_text()) if (checkpoint / STATE_FILE).exists() else {}
     build = {k: state.get(k) for k in ("config", "command", "code_revision", "demonstration_code", "base", "policy",
                                       "stages", "settings")}
+    if "base_build" in state:
+        build["base_build"] = state["base_build"]
     return {"name": checkpoint.name, "config": cfg.name, "build": build,
             "build_metrics": {k: v for k, v in state.items() if k.startswith("sft/")},
             "evaluation": {"levels": n, "seeds": f"vagen.warmstart.demos.distinct_eval_seeds(env, {n})",
