@@ -35,20 +35,13 @@ def test_a_failed_run_keeps_the_curves_of_the_runs_that_finished(tmp_path, monke
 
 def test_extend_continues_a_run_from_its_last_checkpoint_and_keeps_its_curve(tmp_path, monkeypatch):
     learning = _learning()
-    import time
-
-    import vagen.train
-
-    clock = {"cpu": 0.0}
     calls = []
 
     def train(argv):  # each chunk of 20 iterations costs one CPU-minute
         calls.append(argv)
-        clock["cpu"] += 60.0
-        return 0
+        return 0, 60.0
 
-    monkeypatch.setattr(vagen.train, "main", train)
-    monkeypatch.setattr(time, "process_time", lambda: clock["cpu"])
+    monkeypatch.setattr(learning, "train_chunk", train)
     monkeypatch.setattr(learning, "evaluate", lambda checkpoint, cfg, seeds: {
         "greedy": {"success": 0.5, "at": str(checkpoint)}, "sampled": {"success": 0.25}})
     run = "frozenlake_visual-TRICO-seed0"
@@ -66,20 +59,13 @@ def test_extend_continues_a_run_from_its_last_checkpoint_and_keeps_its_curve(tmp
 
 def test_max_iterations_stops_a_run_with_cpu_budget_left(tmp_path, monkeypatch):
     learning = _learning()
-    import time
-
-    import vagen.train
-
-    clock = {"cpu": 0.0}
     calls = []
 
     def train(argv):  # each chunk costs one CPU-minute of a 10-minute budget
         calls.append([a for a in argv if a.startswith("train.iterations")])
-        clock["cpu"] += 60.0
-        return 0
+        return 0, 60.0
 
-    monkeypatch.setattr(vagen.train, "main", train)
-    monkeypatch.setattr(time, "process_time", lambda: clock["cpu"])
+    monkeypatch.setattr(learning, "train_chunk", train)
     monkeypatch.setattr(learning, "evaluate", lambda checkpoint, cfg, seeds: {
         "greedy": {"success": 0.5}, "sampled": {"success": 0.25}})
     args = SimpleNamespace(minutes=10.0, eval_every=25, max_iterations=50, overrides=[])
@@ -271,3 +257,11 @@ def test_multitask_training_success_counts_each_iteration_once(tmp_path):
     # iterations 0-1 (window 2) and 6-7, the retried iteration 6 counted once with its last row
     assert multitask.training_success(tmp_path / "metrics.jsonl", window=2) == {
         "sokoban_visual": [pytest.approx(0.05), pytest.approx(0.65)]}
+
+
+def test_a_training_chunk_runs_in_a_process_of_its_own_and_reports_its_exit_code_and_cpu(monkeypatch):
+    learning = _learning()
+    monkeypatch.setenv("MASTER_PORT", "1")  # the caller's group: the chunk must not try to join it
+    code, seconds = learning.train_chunk(["--config", "no_such_config"])
+    assert code == 2  # a config error, printed by the child
+    assert seconds > 0  # the child's start and imports, counted as its CPU time

@@ -44,3 +44,12 @@ def copy_probes(env, n: int, exclude: set[str] = frozenset(), start_seed: int = 
             answer = f"{copy_action(obj['name'], obj['position'])}, {answer}"
         probes.append(Probe(seed, env.render_image(), copy_question(env._describe(), obj["name"]), answer))
     return probes
+
+
+def stage_probes(cfg, n: int, exclude: set[str] = frozenset()) -> list[Probe]:
+    """The perception stage's questions (`vagen.warmstart.perception.stage_probes`, `sft.perception_steps`): copy
+    questions on start frames of `cfg.env`'s task and size, answered with the object's listing line first when the
+    demonstrations write it too (`sft.reasoning=lookup`)."""
+    from vagen.rollout import make_env
+
+    return copy_probes(make_env(cfg.env, {"render_mode": "vision"}), n, exclude, named=cfg.sft.reasoning == "lookup")

@@ -117,7 +117,8 @@ def question_sample(encoder: ChatEncoder, model, frame: Image.Image, text: str, 
 
 # Envs whose perception stage asks its own questions: the module whose `stage_probes(cfg, n, exclude)`
 # writes them (a new env's questions are a new module named here); the others ask `perception_probes`'s.
-QUESTION_MODULES = {"navigation": "vagen.warmstart.navigation_questions"}
+QUESTION_MODULES = {"navigation": "vagen.warmstart.navigation_questions",
+                    "manipulation": "vagen.warmstart.manipulation_questions"}
 
 
 def stage_probes(cfg, n: int, exclude: set[str] = frozenset()) -> list[Probe]:
