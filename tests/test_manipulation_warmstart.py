@@ -88,3 +88,14 @@ def test_lookup_reasoning_writes_the_listing_lines_the_answer_goes_to(env):
     with pytest.raises(ValueError, match="no lookup reasoning for env 'sokoban'"):
         reasoning("sokoban", [{}], ["Up"], np.random.default_rng(0), kind="lookup")
     assert load_config("manipulation_visual", ["sft.reasoning=lookup"]).sft.reasoning == "lookup"
+
+
+def test_the_perception_stage_of_manipulation_asks_copy_questions_in_the_demonstrations_spelling():
+    from vagen.warmstart.perception import stage_probes
+
+    plain = stage_probes(load_config("manipulation_visual"), 2)
+    named = stage_probes(load_config("manipulation_visual", ["sft.reasoning=lookup"]), 2)
+    assert [p.answer for p in plain] == ["pick (-60, -23, 20)", "pick (-56, -23, 20)"]
+    assert [p.answer for p in named] == ["purple cube (-60, -23, 20), pick (-60, -23, 20)",
+                                         "purple cube (-56, -23, 20), pick (-56, -23, 20)"]
+    assert plain[0].frame.size == (112, 112) and plain[0].question.endswith("Which action picks up the purple cube?\n<image>")
