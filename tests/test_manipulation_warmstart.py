@@ -87,14 +87,14 @@ def test_lookup_reasoning_writes_the_listing_lines_the_answer_goes_to(env):
         assert line in env._describe().splitlines()
     with pytest.raises(ValueError, match="no lookup reasoning for env 'sokoban'"):
         reasoning("sokoban", [{}], ["Up"], np.random.default_rng(0), kind="lookup")
-    assert load_config("manipulation_visual", ["sft.reasoning=lookup"]).sft.reasoning == "lookup"
+    assert load_config("manipulation_visual").sft.reasoning == "lookup"
 
 
 def test_the_perception_stage_of_manipulation_asks_copy_questions_in_the_demonstrations_spelling():
     from vagen.warmstart.perception import stage_probes
 
-    plain = stage_probes(load_config("manipulation_visual"), 2)
-    named = stage_probes(load_config("manipulation_visual", ["sft.reasoning=lookup"]), 2)
+    plain = stage_probes(load_config("manipulation_visual", ["sft.reasoning=near"]), 2)
+    named = stage_probes(load_config("manipulation_visual"), 2)  # the config's lookup reasoning
     assert [p.answer for p in plain] == ["pick (-60, -23, 20)", "pick (-56, -23, 20)"]
     assert [p.answer for p in named] == ["purple cube (-60, -23, 20), pick (-60, -23, 20)",
                                          "purple cube (-56, -23, 20), pick (-56, -23, 20)"]
