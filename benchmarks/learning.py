@@ -118,12 +118,19 @@ def evaluate(checkpoint, cfg, seeds) -> dict:
             "sampled": held_out_metrics(model, encoder, cfg, seeds, do_sample=True)}
 
 
+def environ_without_group() -> dict[str, str]:
+    """This process's environment without its process group's variables, for a child that makes its own."""
+    import os
+
+    return {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
 def train_chunk(argv: list[str]) -> tuple[int, float]:
     """`vagen/train.py argv` in a fresh process: its exit code and CPU seconds (all its threads). A chunk run in
     this process would leave about a gigabyte behind per chunk at navigation's 128 episodes of 168-px frames, and
     two runs at once would run out of memory in 30 CPU-minutes. The child makes its own group of one (this
-    process's RANK and MASTER_PORT are not passed on)."""
-    import os
+    process's group variables are not passed on: `environ_without_group`)."""
     import resource
     import subprocess
 
@@ -131,10 +138,9 @@ def train_chunk(argv: list[str]) -> tuple[int, float]:
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         return usage.ru_utime + usage.ru_stime
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     before = used()
-    code = subprocess.run([sys.executable, str(ROOT / "vagen" / "train.py"), *argv], env=env, cwd=ROOT).returncode
+    code = subprocess.run([sys.executable, str(ROOT / "vagen" / "train.py"), *argv], env=environ_without_group(),
+                          cwd=ROOT).returncode
     return code, used() - before
 
 
@@ -242,8 +248,7 @@ def run_in_children(env: str, args, out: Path) -> tuple[dict[str, dict[int, list
               str(args.sft_steps_per_eval), *(["--max-iterations", str(args.max_iterations)] if args.max_iterations else []),
               "--threads", str(args.threads), "--out", str(out),
               *(["--warm-start", args.warm_start] if args.warm_start else []), *args.overrides]
-    child_env = {k: v for k, v in os.environ.items() if k not in
-                 ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    child_env = environ_without_group()
     tasks = [(method, seed) for seed in range(args.seeds) for method in args.methods]  # every method's seed 0 first
     running, failed = [], {}
     while tasks or running:
